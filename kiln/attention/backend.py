@@ -1,0 +1,84 @@
+"""The attention backend interface every backend implements.
+
+A backend declares what it can run (`supports`), how far CUDA graphs may capture it
+(`cg_support`), builds its metadata from the runner's common metadata, and computes
+attention for one layer while writing the new K/V through `slot_mapping`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar
+
+import torch
+
+
+class AttentionCGSupport(IntEnum):
+    """How much of a batch a backend lets a CUDA graph capture (higher = more)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch layout, shared by every attention layer.
+
+    Tensors live on the model's device; the `*_cpu` lists mirror them on the host so a
+    backend can loop over requests without a device sync. Rows past `num_actual_tokens`
+    are padding: their slot is -1.
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, context + new tokens
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_padded_tokens] int64, -1 = skip
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLayerSpec:
+    """Static shape of one attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+
+
+class AttentionBackend(ABC):
+    """One instance per attention layer; stateless across steps."""
+
+    name: ClassVar[str]
+    cg_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        self.spec = spec
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, head_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
+        """None when this backend can run the configuration, else the reason it cannot."""
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                output: torch.Tensor) -> None:
+        """query/output: [T, num_heads * head_size]; key/value: [T, num_kv_heads * head_size].
+
+        Writes K/V of the first `num_actual_tokens` rows into `kv_cache` and the attention
+        result into `output[:num_actual_tokens]`.
+        """

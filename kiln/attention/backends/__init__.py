@@ -1,0 +1,3 @@
+from kiln.attention.backends.torch_paged import TorchPagedBackend
+
+__all__ = ["TorchPagedBackend"]

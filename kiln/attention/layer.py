@@ -1,0 +1,27 @@
+"""The attention module a model holds: shapes plus a call to the opaque op."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.attention import op as _op  # noqa: F401  (registers torch.ops.kiln.*)
+from kiln.attention.backend import AttentionLayerSpec
+
+
+class Attention(nn.Module):
+    """Causal paged attention for one layer; `layer_index` selects its KV cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 layer_index: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} must be a multiple of "
+                             f"num_key_value_heads={num_kv_heads}")
+        self.spec = AttentionLayerSpec(num_heads, num_kv_heads, head_size, scale)
+        self.layer_index = layer_index
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, heads * hd], k/v: [T, kv_heads * hd] -> [T, heads * hd]
+        out = torch.empty_like(q)
+        torch.ops.kiln.unified_attention(q, k, v, out, self.layer_index)
+        return out

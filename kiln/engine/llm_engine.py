@@ -1,0 +1,135 @@
+"""LLMEngine: add requests, step, collect outputs. Synchronous and single-process."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.outputs import CompletionOutput, RequestOutput
+from kiln.engine.request import Request, RequestStatus
+from kiln.engine.setup import (check_kv_capacity, load_tokenizer, resolve_dtype,
+                               resolve_max_model_len)
+from kiln.models import ModelConfig, model_class
+from kiln.models.model_source import resolve_model
+from kiln.runner import ModelRunner, RunnerLimits
+from kiln.sampling import SamplingParams
+from kiln.scheduler import KVCacheManager, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int]
+
+
+class LLMEngine:
+    """Owns the tokenizer, scheduler and runner. `add_request` validates a request alone:
+    a bad one raises `ValueError` and leaves the engine and every other request as they
+    were."""
+
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        start = time.perf_counter()
+        if config.optimization_level > 0:
+            raise ValueError(f"optimization_level={config.optimization_level}: this build "
+                             "has no compiler yet; use -O0 (optimization_level=0)")
+        self.config = config
+        path = resolve_model(config.model, progress=progress)
+        self.model_config = mc = ModelConfig.from_pretrained(path)
+        model_class(mc.architecture)  # unknown architectures fail before any loading
+        self.dtype = resolve_dtype(config, mc)
+        self.max_model_len = resolve_max_model_len(config, mc)
+        self.tokenizer = load_tokenizer(path)
+        torch.manual_seed(config.seed)
+        limits = RunnerLimits(config.max_num_seqs, config.max_num_batched_tokens,
+                              self.max_model_len, config.block_size)
+        self.runner = ModelRunner(mc, self.dtype, torch.device(config.device), limits,
+                                  kv_cache_memory=config.kv_cache_memory,
+                                  num_kv_blocks=config.num_kv_blocks,
+                                  attention_backend=config.attention_backend,
+                                  progress=progress)
+        check_kv_capacity(self.runner.num_kv_blocks, config.block_size, self.max_model_len)
+        kv = KVCacheManager(self.runner.kv_spec, self.runner.num_kv_blocks)
+        self.scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len)
+        self._tracked: dict[str, _Tracked] = {}
+        self.load_time_s = time.perf_counter() - start
+        logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d", self.load_time_s,
+                    mc.architecture, self.dtype, self.max_model_len)
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, "
+                             f"got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt: str | dict[str, Any],
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        self._validate_prompt(ids)
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        request = Request(request_id, ids, params, eos)
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(
+            text, ids, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+            [])
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is "
+                             f"{self.max_model_len} (prompt plus at least one new token "
+                             "must fit); shorten the prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab})")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self._tracked.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return an output (cumulative) for every request that
+        got new tokens."""
+        so = self.scheduler.schedule()
+        runner_out = self.runner.execute(so)
+        outputs = []
+        for core in self.scheduler.update_from_output(so, runner_out):
+            tracked = self._tracked[core.req_id]
+            tracked.token_ids.extend(core.new_token_ids)
+            tracked.detokenizer.update(core.new_token_ids)
+            finished = core.finish_reason is not None
+            completion = CompletionOutput(0, tracked.detokenizer.text, list(tracked.token_ids),
+                                          finish_reason=core.finish_reason,
+                                          stop_reason=core.stop_reason)
+            outputs.append(RequestOutput(core.req_id, tracked.prompt, tracked.prompt_token_ids,
+                                         [completion], finished))
+            if finished:
+                del self._tracked[core.req_id]
+        return outputs

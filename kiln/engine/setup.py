@@ -1,0 +1,57 @@
+"""Start-up resolution of the fields that depend on the checkpoint (dtype, lengths)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.models import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
+    if config.torch_dtype is not None:
+        return config.torch_dtype
+    dtype = model_config.checkpoint_dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        logger.info("checkpoint dtype %s -> bfloat16 (dtype='auto')", dtype)
+        return torch.bfloat16
+    return dtype
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings={limit}; lower max_model_len")
+    length = config.max_model_len or limit
+    window = model_config.sliding_window
+    if window is not None and window < length:
+        # kiln has no sliding-window attention yet: stay where full attention is exact.
+        logger.info("max_model_len capped at the sliding window (%d tokens)", window)
+        length = window
+    return length
+
+
+def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    capacity = (num_blocks - 1) * block_size  # block 0 is the null block
+    if capacity < max_model_len:
+        raise ValueError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                         f"{block_size}) but max_model_len={max_model_len}: raise "
+                         "kv_cache_memory / num_kv_blocks or lower max_model_len")
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    """The checkpoint's tokenizer, or None when the directory ships none (token-id
+    prompts still work; outputs then carry no text)."""
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                              "tokenizer.model")):
+        logger.warning("no tokenizer files in %s: prompts must be token ids", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,3 @@
+from kiln.entrypoints.llm import LLM
+
+__all__ = ["LLM"]

@@ -1,0 +1,109 @@
+"""`LLM`: the offline Python API, shaped like vLLM's."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from kiln.config import EngineConfig
+from kiln.engine import CompletionOutput, LLMEngine, RequestOutput
+from kiln.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | dict[str, Any]
+Message = dict[str, str]
+
+
+class LLM:
+    """Generate text offline. `model=None` is the embedded default (SmolLM2-135M-Instruct).
+
+    >>> llm = LLM()
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 optimization_level: int = 0, progress: bool = True, **kwargs: Any) -> None:
+        config = EngineConfig(model=model, dtype=dtype, optimization_level=optimization_level,
+                              **kwargs)
+        self.engine = LLMEngine(config, progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. A prompt that
+        is rejected (too long, empty) gets an output with `error` set and
+        finish_reason 'error'; the others run normally."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _broadcast(sampling_params, len(prompts))
+        order: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params):
+            rid = str(next(self._ids))
+            order.append(rid)
+            try:
+                self.engine.add_request(rid, prompt, p)
+            except ValueError as exc:
+                logger.warning("request %s rejected: %s", rid, exc)
+                results[rid] = _error_output(rid, prompt, str(exc))
+        self._run(results, use_tqdm, total=len(order))
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[Message],
+                            add_generation_prompt: bool = True) -> dict[str, Any]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with raw text")
+        text = tok.apply_chat_template(conversation, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+        # The template already carries the special tokens: don't add a second BOS.
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    def _run(self, results: dict[str, RequestOutput], use_tqdm: bool, total: int) -> None:
+        bar = tqdm(total=total, initial=len(results), desc="generating", unit="req",
+                   disable=not use_tqdm)
+        generated, start = 0, time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                generated += 1 if out.outputs[0].token_ids else 0
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+            bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s",
+                                refresh=False)
+        bar.close()
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None,
+               n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts: give one, "
+                         "or one per prompt")
+    return list(params)
+
+
+def _error_output(rid: str, prompt: Prompt, message: str) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+    ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
+    return RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], finish_reason="error")],
+                         finished=True, error=message)

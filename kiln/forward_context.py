@@ -1,0 +1,68 @@
+"""Per-step state visible to the opaque attention op, and nothing else.
+
+Dynamo never sees what lives here: the model's forward takes only `input_ids` and
+`positions`; attention reads its KV cache and metadata from the active context.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from kiln.attention.backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDescriptor:
+    """The key a graph is captured and replayed under (used by the graph layer)."""
+
+    num_tokens: int
+    num_reqs: int | None = None
+    uniform: bool = False
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """What one model forward needs besides its two tensor inputs.
+
+    `kv_caches[i]` is layer i's cache view and `attn_backends[i]` its backend; `is_padding` marks rows that are padding
+    (their slot is -1 and their output is never read).
+    """
+
+    attn_metadata: AttentionMetadata | None
+    kv_caches: Sequence[torch.Tensor]
+    attn_backends: Sequence[AttentionBackend]
+    batch_descriptor: BatchDescriptor | None = None
+    is_padding: torch.Tensor | None = None
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Install `ctx` for the duration of one forward; nesting is a bug and is refused."""
+    global _current
+    if _current is not None:
+        raise RuntimeError("set_forward_context() is already active; forward contexts "
+                           "do not nest (one model forward at a time)")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context: call the model inside "
+                           "kiln.forward_context.set_forward_context(...) (the ModelRunner "
+                           "does this); attention needs the KV cache and metadata from it")
+    return _current
+
+
+def has_forward_context() -> bool:
+    return _current is not None

@@ -1,0 +1,87 @@
+"""Shared layers for Llama-family decoders, written to match transformers numerically."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the input dtype (the reference's rounding points).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE with a precomputed [max_positions, head_dim] cos/sin cache."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict | None) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.theta, self.scaling = theta, scaling
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        if self.cos.device.type != "meta":
+            self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the float32 cos/sin cache; models built on `meta` call this once
+        they have real storage."""
+        inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling)
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1).to(self.cos.device)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, heads, hd], k: [T, kv_heads, hd]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (theta ** exponent)
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3 frequency scaling: long wavelengths divided by `factor`, short ones kept,
+    a smooth blend in between."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class SiluAndMul(nn.Module):
+    """[T, 2 * I] (gate | up) -> [T, I]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up

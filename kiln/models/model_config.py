@@ -1,0 +1,105 @@
+"""ModelConfig: the facts about a checkpoint that kiln's model code and engine need.
+
+Read once from the Hugging Face `config.json` (through transformers' AutoConfig, which
+normalises field names across transformers versions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: Path
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None = plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    checkpoint_dtype: torch.dtype
+    sliding_window: int | None
+
+    @classmethod
+    def from_pretrained(cls, path: Path) -> ModelConfig:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        archs = getattr(hf, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"{path}/config.json has no 'architectures' entry; kiln needs "
+                             "it to pick the model class (e.g. ['LlamaForCausalLM'])")
+        arch = archs[0]
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        theta, scaling = _rope(hf)
+        is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        if getattr(hf, "mlp_bias", False):
+            raise ValueError("mlp_bias=True checkpoints are not supported yet")
+        return cls(
+            path=path, architecture=arch, hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim, vocab_size=hf.vocab_size, rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
+            qk_norm=is_qwen3, bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=_eos_ids(hf), checkpoint_dtype=_dtype(hf),
+            sliding_window=_sliding_window(hf),
+        )
+
+
+def _rope(hf: Any) -> tuple[float, dict | None]:
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    legacy = getattr(hf, "rope_scaling", None) or {}
+    theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    scaling = {**legacy, **params}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE:
+        raise ValueError(f"rope_type={rope_type!r} is not supported; supported: "
+                         f"{', '.join(_SUPPORTED_ROPE)}")
+    if rope_type == "default":
+        return theta, None
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _eos_ids(hf: Any) -> tuple[int, ...]:
+    eos = getattr(hf, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _dtype(hf: Any) -> torch.dtype:
+    d = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
+    return getattr(torch, d) if isinstance(d, str) else d
+
+
+def _sliding_window(hf: Any) -> int | None:
+    if getattr(hf, "use_sliding_window", True) is False:
+        return None
+    window = getattr(hf, "sliding_window", None)
+    return int(window) if window else None

@@ -1,0 +1,160 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+It owns the model, the KV cache and persistent input buffers whose addresses never change
+(`input_ids`, `positions`, `slot_mapping`, `block_table`, `query_start_loc`, `seq_lens`);
+each step fills their heads and the model reads slices of them. Logits are computed only
+for each request's last scheduled token, and only when that token completes its prompt or
+is a decode (a prefill chunk that stops short samples nothing).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.attention import AttentionMetadata, select_backend
+from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.models import ModelConfig, build_model
+from kiln.runner.buffers import CpuGpuBuffer
+from kiln.runner.kv_cache import allocate_kv_cache, num_blocks_for
+from kiln.sampling import Sampler, SamplingMetadata, SamplingParams
+from kiln.scheduler import FullAttentionSpec, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + every token sampled so far
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class RunnerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 limits: RunnerLimits, *, kv_cache_memory: int | None = None,
+                 num_kv_blocks: int | None = None, attention_backend: str | None = None,
+                 progress: bool = True) -> None:
+        self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
+        self.model = build_model(model_config, dtype, device, progress)
+        backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device)
+        layers = self.model.attention_layers()
+        self.attn_backends = [backend_cls(layer.spec) for layer in layers]
+        self.kv_spec = FullAttentionSpec(limits.block_size, model_config.num_kv_heads,
+                                         model_config.head_dim, dtype)
+        self.num_kv_blocks = num_blocks_for(self.kv_spec, len(layers), kv_cache_memory,
+                                            num_kv_blocks)
+        self._kv_buffer, self.kv_caches = allocate_kv_cache(self.kv_spec, len(layers),
+                                                            self.num_kv_blocks, device)
+        logger.info("attention backend %s; KV cache %d blocks x %d tokens (%.1f MiB)",
+                    backend_cls.name, self.num_kv_blocks, limits.block_size,
+                    self._kv_buffer.numel() * self._kv_buffer.element_size() / 2**20)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self._alloc_buffers()
+
+    def _alloc_buffers(self) -> None:
+        lim, dev = self.limits, self.device
+        max_tokens, max_reqs = lim.max_num_batched_tokens, lim.max_num_seqs
+        max_blocks = -(-lim.max_model_len // lim.block_size)
+        self.input_ids = CpuGpuBuffer(max_tokens, dtype=torch.int64, device=dev)
+        self.positions = CpuGpuBuffer(max_tokens, dtype=torch.int64, device=dev)
+        self.slot_mapping = CpuGpuBuffer(max_tokens, dtype=torch.int64, device=dev)
+        self.query_start_loc = CpuGpuBuffer(max_reqs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = CpuGpuBuffer(max_reqs, dtype=torch.int32, device=dev)
+        self.block_table = CpuGpuBuffer(max_reqs, max_blocks, dtype=torch.int32, device=dev)
+        self._arange = np.arange(max(lim.max_model_len, max_tokens) + 1, dtype=np.int64)
+
+    # ---- state ---------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), list(new.block_ids),
+                new.num_computed_tokens, params, gen)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], [])
+        req_ids = list(so.num_scheduled_tokens)
+        metadata, logits_indices, sample_ids = self._prepare_inputs(req_ids,
+                                                                    so.num_scheduled_tokens)
+        n = metadata.num_actual_tokens
+        ctx = ForwardContext(metadata, self.kv_caches, self.attn_backends)
+        with set_forward_context(ctx):
+            hidden = self.model(self.input_ids.device[:n], self.positions.device[:n])
+        sampled: dict[str, list[int]] = {}
+        if sample_ids:
+            tokens = self._sample(hidden[logits_indices], sample_ids)
+            for rid, token in zip(sample_ids, tokens):
+                self.requests[rid].token_ids.append(token)
+                sampled[rid] = [token]
+        return ModelRunnerOutput(req_ids, [sampled.get(rid, []) for rid in req_ids])
+
+    def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]
+                        ) -> tuple[AttentionMetadata, torch.Tensor, list[str]]:
+        bs, num_reqs = self.limits.block_size, len(req_ids)
+        qsl, seq_lens, table = self.query_start_loc.np, self.seq_lens.np, self.block_table.np
+        table[:num_reqs] = 0  # unused entries point at the null block
+        qsl[0] = offset = 0
+        logits_indices: list[int] = []
+        sample_ids: list[str] = []
+        for i, rid in enumerate(req_ids):
+            state, n = self.requests[rid], num_scheduled[rid]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            self.input_ids.np[offset: offset + n] = state.token_ids[start:end]
+            pos = self._arange[start:end]
+            self.positions.np[offset: offset + n] = pos
+            table[i, : len(state.block_ids)] = state.block_ids
+            self.slot_mapping.np[offset: offset + n] = table[i, pos // bs] * bs + pos % bs
+            offset += n
+            seq_lens[i], qsl[i + 1] = end, offset
+            if end >= len(state.token_ids):
+                logits_indices.append(offset - 1)
+                sample_ids.append(rid)
+        for buf in (self.input_ids, self.positions, self.slot_mapping):
+            buf.copy_to_device(offset)
+        metadata = AttentionMetadata(
+            num_actual_tokens=offset, num_reqs=num_reqs,
+            query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
+            seq_lens=self.seq_lens.copy_to_device(num_reqs),
+            block_table=self.block_table.copy_to_device(num_reqs),
+            slot_mapping=self.slot_mapping.device[:offset],
+            query_start_loc_cpu=qsl[: num_reqs + 1].tolist(),
+            seq_lens_cpu=seq_lens[:num_reqs].tolist(),
+            max_query_len=max(num_scheduled.values()), max_seq_len=int(seq_lens[:num_reqs].max()))
+        indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        return metadata, indices, sample_ids
+
+    def _sample(self, hidden: torch.Tensor, sample_ids: list[str]) -> list[int]:
+        states = [self.requests[rid] for rid in sample_ids]
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        md = SamplingMetadata.build([s.sampling_params for s in states], generators,
+                                    self.device)
+        logits = self.model.compute_logits(hidden)  # [R, vocab]
+        return self.sampler(logits, md).tolist()

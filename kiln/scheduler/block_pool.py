@@ -1,0 +1,110 @@
+"""BlockPool: every KV block, their reference counts, and the free queue.
+
+Invariants (property-tested): a block with `ref_cnt == 0` is in the free queue exactly
+once; a block with `ref_cnt > 0` is not in it; block 0 is the null block, never handed
+out and never freed (padding rows of the block table point at it).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None  # set by prefix caching when the block is full
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+        self.is_null = False
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly-linked list of free blocks with O(1) popleft, append and remove-from-middle
+    (a cached block that gets hit again leaves the queue wherever it is)."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels: no None checks at the ends
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if block.prev_free is None or block.next_free is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block.prev_free is not None:
+            raise RuntimeError(f"{block} is already in the free queue")
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError("num_kv_blocks must be at least 2 (block 0 is the null block)")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block = self.free_queue.popleft()
+        self.null_block.is_null = True
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks (all but the null block) currently held."""
+        usable = self.num_blocks - 1
+        return 1.0 - self.get_num_free_blocks() / usable
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        if n > self.get_num_free_blocks():
+            raise ValueError(f"asked for {n} blocks, {self.get_num_free_blocks()} free")
+        blocks = [self.free_queue.popleft() for _ in range(n)]
+        for block in blocks:
+            block.ref_cnt = 1
+            block.block_hash = None
+        return blocks
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the queue's tail
+        in the given order (callers pass tail blocks first so they are evicted first)."""
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)

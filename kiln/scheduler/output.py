@@ -1,0 +1,51 @@
+"""SchedulerOutput: the only thing that crosses from the scheduler to the runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (or must forget and recompute: resumed after
+    preemption). `token_ids` is every token known so far: prompt plus outputs."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request already in the runner: the blocks it gained this step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> tokens to compute this step, in batch order (running first, then new).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must drop before this step (finished, aborted or preempted).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens per scheduled request; [] for a prefill chunk that is not the last."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
