@@ -1,0 +1,130 @@
+"""The `kiln` command line: generate | chat (serve and bench plug in here later)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any, Sequence
+
+from kiln.config import EngineConfig
+
+
+def _default(name: str) -> Any:
+    return EngineConfig.__dataclass_fields__[name].default
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory or .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+    p.add_argument("-O", dest="optimization_level", type=int, default=0, metavar="N",
+                   help="optimization level -O0..-O3 (default 0)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"))
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=_default("max_num_batched_tokens"))
+    p.add_argument("--block-size", type=int, default=_default("block_size"))
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="kiln LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts and print the answers")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap each prompt as a user message in the chat template")
+    chat = sub.add_parser("chat", help="multi-turn chat at a prompt")
+    chat.add_argument("--system", default=None, help="system prompt")
+    for p in (gen, chat):
+        _engine_args(p)
+        _sampling_args(p)
+        p.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from kiln.entrypoints.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, optimization_level=args.optimization_level,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+               kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+               attention_backend=args.attention_backend, seed=args.seed)
+
+
+def _params(args: argparse.Namespace) -> Any:
+    from kiln.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    prompts: list[Any] = args.prompts
+    if args.chat:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, _params(args), use_tqdm=len(prompts) > 1)
+    elapsed = time.perf_counter() - start
+    tokens = 0
+    for prompt, out in zip(args.prompts, outputs):
+        print(f"\n>>> {prompt}")
+        print(out.error and f"[error] {out.error}" or out.outputs[0].text.strip())
+        tokens += len(out.outputs[0].token_ids)
+    print(f"\nload {llm.engine.load_time_s:.1f} s | {tokens} tokens in {elapsed:.2f} s | "
+          f"{tokens / elapsed:.1f} tok/s")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("kiln chat: type a message; empty line or Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line or line in ("/exit", "/quit"):
+            break
+        history.append({"role": "user", "content": line})
+        out = llm.chat(history, _params(args), use_tqdm=False)[0]
+        if out.error:
+            print(f"[error] {out.error}")
+            history.pop()
+            continue
+        answer = out.outputs[0].text.strip()
+        print(f"kiln> {answer}")
+        history.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+    except ValueError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

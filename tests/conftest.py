@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random checkpoints of every supported family, the real SmolLM2
+directory, and a transformers greedy reference."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            # A wide init keeps logits far apart: greedy ties would make parity flaky.
+            initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+TINY_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
+    "llama-tied": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=True),
+    "llama3-rope": lambda: transformers.LlamaConfig(**TINY, rope_theta=500000.0,
+                                                    rope_scaling=LLAMA3_ROPE),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),
+    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
+}
+
+
+def make_tiny_model(kind: str, path: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[kind]())
+    model = model.float().eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory):
+    """kind -> (directory, transformers model), built once per session."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: (root / kind, make_tiny_model(kind, root / kind)) for kind in TINY_CONFIGS}
+
+
+def hf_greedy(model: transformers.PreTrainedModel, prompt_ids: list[int], max_new: int,
+              stop_at_eos: bool = False) -> list[int]:
+    """transformers' own greedy decode of one unpadded prompt: the ground truth."""
+    gen = model.generation_config
+    eos = gen.eos_token_id
+    if not stop_at_eos:
+        gen.eos_token_id = None
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new,
+                                 do_sample=False, pad_token_id=0)
+    finally:
+        gen.eos_token_id = eos
+    return out[0, len(prompt_ids):].tolist()
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist()
+            for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from kiln.models.model_source import resolve_model
+
+    return resolve_model(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir,
+                                                              dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,58 @@
+"""The ground truth: SmolLM2-135M-Instruct in fp32, kiln vs transformers, token for token."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import hf_greedy
+from kiln import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the boiling point of water in Celsius?",
+    "Write a short poem about the sea.",
+    "List three primary colors.",
+    "Explain what a CPU does in one paragraph.",
+    "Translate 'good morning' into French.",
+    "What is 12 times 7?",
+    "Give me a tip for learning to cook.",
+    "Who wrote Romeo and Juliet?",
+]
+MAX_NEW = 64
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return LLM(str(smollm2_dir), dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def references(smollm2_hf, prompts):
+    return [hf_greedy(smollm2_hf, p["prompt_token_ids"], MAX_NEW, stop_at_eos=True)
+            for p in prompts]
+
+
+def test_batch_of_8_chat_prompts_matches_transformers(llm, prompts, references):
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW),
+                        use_tqdm=False)
+    for out, ref in zip(outs, references):
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].finish_reason == ("stop" if ref[-1] == 2 else "length")
+        tok = llm.get_tokenizer()
+        assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_tiny_budget_and_preemption_keep_parity(smollm2_dir, prompts, references):
+    # 32 tokens per step forces chunked prefill of every prompt; 20 blocks of 16 tokens
+    # cannot hold 8 requests of ~100 tokens at once, so requests are preempted.
+    llm = LLM(str(smollm2_dir), dtype="float32", progress=False, max_num_batched_tokens=32,
+              num_kv_blocks=20, max_model_len=256)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW),
+                        use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == references
