@@ -23,5 +23,5 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, heads * hd], k/v: [T, kv_heads * hd] -> [T, heads * hd]
         out = torch.empty_like(q)
-        torch.ops.kiln.unified_attention(q, k, v, out, self.layer_index)
+        torch.ops.kiln.unified_attention.default(q, k, v, out, self.layer_index)
         return out

@@ -1,0 +1,104 @@
+"""The PyTorch paged backend against dense causal attention, and the opaque op's contract."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.attention import AttentionLayerSpec, AttentionMetadata
+from kiln.attention.backends import TorchPagedBackend
+from kiln.forward_context import ForwardContext, get_forward_context, set_forward_context
+
+
+def dense_reference(q, k, v, scale):
+    """q: [L, H, D] all positions of one sequence; causal; GQA by repeating K/V."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                         v.transpose(0, 1), is_causal=True, scale=scale)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 16), (8, 2, 16), (6, 1, 32)])
+def test_mixed_prefill_and_decode_batch_with_padding(heads, kv_heads, block_size):
+    torch.manual_seed(0)
+    D, num_blocks = 16, 40
+    spec = AttentionLayerSpec(heads, kv_heads, D, D ** -0.5)
+    backend = TorchPagedBackend(spec)
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, D)
+    # (context already cached, new tokens): a fresh prefill, a chunk with context, decodes.
+    shapes = [(0, 13), (20, 7), (37, 1), (5, 1)]
+    perm = torch.randperm(num_blocks - 1) + 1  # scattered physical blocks, never block 0
+    seqs, tables, next_block = [], [], 0
+    for ctx, new in shapes:
+        total = ctx + new
+        nb = -(-total // block_size)
+        tables.append(perm[next_block: next_block + nb])
+        next_block += nb
+        seqs.append((torch.randn(total, heads, D), torch.randn(total, kv_heads, D),
+                     torch.randn(total, kv_heads, D)))
+    # Write each sequence's context into the cache as earlier steps would have.
+    for (ctx, _), (q, k, v), table in zip(shapes, seqs, tables):
+        for p in range(ctx):
+            blk, off = table[p // block_size], p % block_size
+            cache[0, blk, off], cache[1, blk, off] = k[p], v[p]
+    pad = 3
+    q_rows, k_rows, v_rows, slots, qsl = [], [], [], [], [0]
+    for (ctx, new), (q, k, v), table in zip(shapes, seqs, tables):
+        q_rows.append(q[ctx:]), k_rows.append(k[ctx:]), v_rows.append(v[ctx:])
+        slots += [int(table[p // block_size]) * block_size + p % block_size
+                  for p in range(ctx, ctx + new)]
+        qsl.append(qsl[-1] + new)
+    n = qsl[-1]
+    query = torch.cat(q_rows + [torch.randn(pad, heads, D)]).reshape(n + pad, -1)
+    key = torch.cat(k_rows + [torch.randn(pad, kv_heads, D)]).reshape(n + pad, -1)
+    value = torch.cat(v_rows + [torch.randn(pad, kv_heads, D)]).reshape(n + pad, -1)
+    table = torch.zeros(len(shapes), 8, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    seq_lens = [c + n_ for c, n_ in shapes]
+    md = AttentionMetadata(
+        num_actual_tokens=n, num_reqs=len(shapes),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
+        slot_mapping=torch.tensor(slots + [-1] * pad), query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens, max_query_len=13, max_seq_len=max(seq_lens))
+    before_null = cache[:, 0].clone()
+    output = torch.full_like(query, float("nan"))
+    backend.forward(query, key, value, cache, md, output)
+    for i, ((ctx, new), (q, k, v)) in enumerate(zip(shapes, seqs)):
+        expected = dense_reference(q, k, v, spec.scale)[ctx:]
+        got = output[qsl[i]: qsl[i + 1]].view(new, heads, D)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache[:, 0], before_null)  # padding rows (slot -1) wrote nothing
+
+
+def test_forward_context_refuses_nesting_and_absence():
+    with pytest.raises(RuntimeError, match="no forward context"):
+        get_forward_context()
+    ctx = ForwardContext(None, [], [])
+    with set_forward_context(ctx):
+        assert get_forward_context() is ctx
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with set_forward_context(ctx):
+                pass
+    with pytest.raises(RuntimeError):
+        get_forward_context()
+
+
+def test_attention_op_is_opaque_to_dynamo():
+    """Dynamo records the op as one node and never traces into the backend."""
+    from kiln.attention import Attention
+
+    layer = Attention(4, 2, 8, 8 ** -0.5, layer_index=0)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v: layer(q, k, v) * 2, backend=backend, fullgraph=True)
+    q, kv = torch.randn(3, 32), torch.randn(3, 16)
+    with set_forward_context(ForwardContext(None, [], [])):
+        fn(q, kv, kv)
+    assert torch.ops.kiln.unified_attention.default in seen
