@@ -1,8 +1,8 @@
 """Pure-PyTorch paged attention: the CPU default and the reference for other backends.
 
-Loops over requests on the host (lengths come from the metadata's CPU mirrors), gathers
-each request's K/V from its blocks and runs SDPA with a bottom-right-aligned causal mask,
-so prefill chunks with context and single-token decodes mix in one batch.
+Single-token (decode) rows run as one batched SDPA over their gathered blocks; the other
+rows (prefill chunks, possibly with context) loop on the host, lengths coming from the
+metadata's CPU mirrors, each with a bottom-right-aligned causal mask.
 """
 from __future__ import annotations
 
@@ -35,13 +35,40 @@ class TorchPagedBackend(AttentionBackend):
         out = output[:n].view(n, s.num_heads, s.head_size)
         block_size = key_cache.shape[1]
         qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        decodes = [i for i in range(metadata.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        if len(decodes) > 1:
+            self._batched_decode(q, key_cache, value_cache, metadata, decodes, out)
+        done = set(decodes) if len(decodes) > 1 else set()
         for i in range(metadata.num_reqs):
+            if i in done:
+                continue
             start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
             blocks = metadata.block_table[i, : -(-seq_len // block_size)]
             keys = _gather(key_cache, blocks, seq_len)  # [kv_heads, seq_len, hd]
             values = _gather(value_cache, blocks, seq_len)
             out[start:end] = _attend(q[start:end].transpose(0, 1), keys, values,
                                      s.scale).transpose(0, 1)
+
+    def _batched_decode(self, q: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, md: AttentionMetadata, rows: list[int],
+                        out: torch.Tensor) -> None:
+        """All single-token rows in one SDPA call: gather each row's blocks up to the
+        longest context and mask the tail (unused table entries point at block 0)."""
+        block_size = key_cache.shape[1]
+        max_len = max(md.seq_lens_cpu[i] for i in rows)
+        idx = torch.tensor(rows, device=q.device)
+        tokens = md.query_start_loc[idx].long()  # each row's single query token
+        table = md.block_table[idx, : -(-max_len // block_size)].long()  # [R, nb]
+        keys = key_cache[table].flatten(1, 2).transpose(1, 2)  # [R, kv_heads, L, hd]
+        values = value_cache[table].flatten(1, 2).transpose(1, 2)
+        length = keys.shape[2]
+        mask = (torch.arange(length, device=q.device).unsqueeze(0)
+                < md.seq_lens[idx].unsqueeze(1))[:, None, None, :]  # [R, 1, 1, L]
+        query = q[tokens].unsqueeze(2)  # [R, heads, 1, hd]
+        result = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=self.spec.scale,
+            enable_gqa=query.shape[1] != keys.shape[1])
+        out[tokens] = result.squeeze(2)
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
