@@ -17,6 +17,58 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
 
+class CompilationMode(IntEnum):
+    NONE = 0  # eager PyTorch
+    PIECEWISE = 1  # trace once, split at attention, compile pieces (Inductor or eager)
+
+
+_COMPILE_BACKENDS = ("inductor", "eager")
+
+
+@dataclass(slots=True)
+class CompilationConfig:
+    """How the model is compiled. Fields left None are filled by the optimization level."""
+
+    mode: int | None = None
+    backend: str = "inductor"  # "inductor" | "eager" (trace and split, no codegen: debugging)
+    splitting_ops: list[str] | None = None  # None: the attention ops; []: one whole graph
+    compile_sizes: list[int] | None = None  # static-shape builds, exact token counts
+    compile_ranges_endpoints: list[int] | None = None  # symbolic builds over ranges
+    use_cache: bool = True
+    cache_dir: str | None = None  # None: $KILN_CACHE_DIR, else $KILN_HOME/compile_cache
+    inductor_options: dict = field(default_factory=dict)
+
+    def validate(self, max_num_batched_tokens: int) -> None:
+        if self.mode is not None and self.mode not in tuple(CompilationMode):
+            raise ValueError(f"compilation.mode={self.mode!r} must be 0 (none) or 1 "
+                             "(piecewise)")
+        if self.backend not in _COMPILE_BACKENDS:
+            raise ValueError(f"compilation.backend={self.backend!r} must be one of "
+                             f"{', '.join(_COMPILE_BACKENDS)}")
+        for op in self.splitting_ops or []:
+            if "::" not in op:
+                raise ValueError(f"compilation.splitting_ops entry {op!r} must name an op "
+                                 "as 'namespace::name', e.g. 'kiln::unified_attention'")
+        for size in self.compile_sizes or []:
+            if not isinstance(size, int) or not 1 <= size <= max_num_batched_tokens:
+                raise ValueError(f"compilation.compile_sizes entry {size!r} must be an "
+                                 f"integer in [1, max_num_batched_tokens="
+                                 f"{max_num_batched_tokens}]")
+        ends = list(self.compile_ranges_endpoints or [])
+        if ends != sorted(set(ends)) or any(not 1 <= e < max_num_batched_tokens for e in ends):
+            raise ValueError(f"compilation.compile_ranges_endpoints={ends} must be strictly "
+                             f"increasing integers in [1, {max_num_batched_tokens}); "
+                             "max_num_batched_tokens is always the last endpoint")
+
+    def compile_ranges(self, max_num_batched_tokens: int) -> list[tuple[int, int]]:
+        """Inclusive (start, end) token-count ranges covering 1..max_num_batched_tokens."""
+        ranges, start = [], 1
+        for end in [*(self.compile_ranges_endpoints or []), max_num_batched_tokens]:
+            ranges.append((start, end))
+            start = end + 1
+        return ranges
+
+
 class OptimizationLevel(IntEnum):
     """`-O0..-O3`: defaults for level-controlled fields, never overrides."""
 
@@ -72,7 +124,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     attention_backend: str | None = None
-    extra: dict = field(default_factory=dict)
+    compilation: CompilationConfig | dict | None = None
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -98,11 +150,42 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
+        self.compilation = _compilation(self.compilation)
+        self.compilation.validate(self.max_num_batched_tokens)
+        self._apply_level()
+
+    def _apply_level(self) -> None:
+        """Fill level-controlled fields that are still None; explicit settings win."""
+        c = self.compilation
+        if c.mode is None:
+            level = OptimizationLevel(self.optimization_level)
+            c.mode = CompilationMode.NONE if level == 0 else CompilationMode.PIECEWISE
+        if c.splitting_ops is None:
+            from kiln.attention.op import SPLITTING_OPS
+
+            c.splitting_ops = list(SPLITTING_OPS)
+        if c.compile_sizes is None:
+            c.compile_sizes = []
+        if c.compile_ranges_endpoints is None:
+            c.compile_ranges_endpoints = []
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """The requested dtype, or None for 'auto' (resolved against the checkpoint)."""
         return _DTYPES[self.dtype]
+
+
+def _compilation(value: CompilationConfig | dict | None) -> CompilationConfig:
+    if value is None:
+        return CompilationConfig()
+    if isinstance(value, dict):
+        try:
+            return CompilationConfig(**value)
+        except TypeError as exc:
+            raise ValueError(f"compilation: {exc}") from None
+    if not isinstance(value, CompilationConfig):
+        raise ValueError("compilation must be a CompilationConfig or a dict of its fields")
+    return value
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -38,9 +38,6 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         start = time.perf_counter()
-        if config.optimization_level > 0:
-            raise ValueError(f"optimization_level={config.optimization_level}: this build "
-                             "has no compiler yet; use -O0 (optimization_level=0)")
         self.config = config
         path = resolve_model(config.model, progress=progress)
         self.model_config = mc = ModelConfig.from_pretrained(path)
@@ -55,7 +52,7 @@ class LLMEngine:
                                   kv_cache_memory=config.kv_cache_memory,
                                   num_kv_blocks=config.num_kv_blocks,
                                   attention_backend=config.attention_backend,
-                                  progress=progress)
+                                  compilation=config.compilation, progress=progress)
         check_kv_capacity(self.runner.num_kv_blocks, config.block_size, self.max_model_len)
         kv = KVCacheManager(self.runner.kv_spec, self.runner.num_kv_blocks)
         self.scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs,

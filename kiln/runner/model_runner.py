@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from kiln.attention import AttentionMetadata, select_backend
+from kiln.compiler import compile_model
+from kiln.config import CompilationConfig, CompilationMode
 from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.models import ModelConfig, build_model
 from kiln.runner.buffers import CpuGpuBuffer
@@ -47,7 +50,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  limits: RunnerLimits, *, kv_cache_memory: int | None = None,
                  num_kv_blocks: int | None = None, attention_backend: str | None = None,
-                 progress: bool = True) -> None:
+                 compilation: CompilationConfig | None = None, progress: bool = True) -> None:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
         self.model = build_model(model_config, dtype, device, progress)
         backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device)
@@ -65,6 +68,23 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._alloc_buffers()
+        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
+        self.compile_backend = None
+        if compilation is not None and compilation.mode == CompilationMode.PIECEWISE:
+            self.forward, self.compile_backend = compile_model(
+                self.model, compilation, dtype, device, limits.max_num_batched_tokens,
+                progress)
+            self._compile_now()
+
+    @torch.inference_mode()
+    def _compile_now(self) -> None:
+        """Trace and compile (or load) every size and range before the first request:
+        one dummy forward at the largest token count, then one at a single token that
+        must reuse what was built. Attention is a no-op without metadata."""
+        ctx = ForwardContext(None, self.kv_caches, self.attn_backends)
+        for n in (self.limits.max_num_batched_tokens, 1):
+            with set_forward_context(ctx):
+                self.forward(self.input_ids.device[:n], self.positions.device[:n])
 
     def _alloc_buffers(self) -> None:
         lim, dev = self.limits, self.device
@@ -107,7 +127,7 @@ class ModelRunner:
         n = metadata.num_actual_tokens
         ctx = ForwardContext(metadata, self.kv_caches, self.attn_backends)
         with set_forward_context(ctx):
-            hidden = self.model(self.input_ids.device[:n], self.positions.device[:n])
+            hidden = self.forward(self.input_ids.device[:n], self.positions.device[:n])
         sampled: dict[str, list[int]] = {}
         if sample_ids:
             tokens = self._sample(hidden[logits_indices], sample_ids)

@@ -1,0 +1,124 @@
+"""Compiler adaptors: one interface over Inductor (standalone_compile) and eager.
+
+`compile(graph, args, dynamic, save_dir)` returns a callable and writes a loadable
+artifact into `save_dir` when given; `load(artifact_dir)` returns the callable again;
+`compute_hash()` names everything about the compiler that changes its output.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from kiln.compiler.counter import compilation_counter
+
+# Inductor's per-process precompiled-header step runs g++ -E even when every kernel is
+# cached; turning it off keeps a warm start free of any C++ toolchain call.
+_INDUCTOR_PATCHES = {"cpp_cache_precompile_headers": False}
+
+
+class CompilerAdaptor(ABC):
+    name: str
+
+    @abstractmethod
+    def compute_hash(self) -> str: ...
+
+    @abstractmethod
+    def compile(self, graph: fx.GraphModule, args: Sequence[Any], dynamic: bool,
+                save_dir: Path | None) -> Callable[..., Any]: ...
+
+    @abstractmethod
+    def load(self, artifact_dir: Path) -> Callable[..., Any]: ...
+
+    @property
+    def saves_artifacts(self) -> bool:
+        return True
+
+
+class EagerAdaptor(CompilerAdaptor):
+    """No code generation: the piece runs as traced (for debugging the split)."""
+
+    name = "eager"
+
+    def compute_hash(self) -> str:
+        return "eager"
+
+    def compile(self, graph, args, dynamic, save_dir):
+        compilation_counter.num_eager_compiles += 1
+        return graph
+
+    def load(self, artifact_dir):
+        raise RuntimeError("the eager adaptor has no artifacts to load")
+
+    @property
+    def saves_artifacts(self) -> bool:
+        return False
+
+
+class InductorAdaptor(CompilerAdaptor):
+    """`torch._inductor.standalone_compile`, saved in the 'unpacked' format.
+
+    On the CPU an Inductor artifact holds C++ source; loading it would run g++ again
+    unless the built shared objects sit in the artifact's own Inductor cache directory.
+    So each compile runs with a private Inductor cache directory and its `.so` files are
+    copied into the artifact: a warm load then builds nothing.
+    """
+
+    name = "inductor"
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = {**_INDUCTOR_PATCHES, **(options or {})}
+
+    def compute_hash(self) -> str:
+        from torch._inductor import config as inductor_config
+        from torch._functorch import config as functorch_config
+
+        factors = [torch.__version__, sorted(self.options.items()),
+                   sorted(inductor_config.save_config_portable().items()),
+                   sorted(functorch_config.save_config_portable().items())]
+        return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
+
+    def compile(self, graph, args, dynamic, save_dir):
+        from torch._inductor import config as inductor_config
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        compilation_counter.num_inductor_compiles += 1
+        shapes = "from_graph" if dynamic else "from_example_inputs"
+        work = None if save_dir is None else save_dir.parent / (save_dir.name + ".inductor")
+        with inductor_config.patch(self.options):
+            if work is None:
+                return torch._inductor.standalone_compile(graph, list(args),
+                                                          dynamic_shapes=shapes, options={})
+            with temporary_cache_dir(str(work)):
+                artifact = torch._inductor.standalone_compile(graph, list(args),
+                                                              dynamic_shapes=shapes,
+                                                              options={})
+            artifact.save(path=str(save_dir), format="unpacked")
+        _copy_shared_objects(work, save_dir)
+        shutil.rmtree(work, ignore_errors=True)
+        return artifact
+
+    def load(self, artifact_dir):
+        from torch._inductor import config as inductor_config
+
+        with inductor_config.patch(self.options):
+            fn = torch._inductor.CompiledArtifact.load(path=str(artifact_dir),
+                                                       format="unpacked")
+        compilation_counter.num_compiled_artifacts_loaded += 1
+        return fn
+
+
+def _copy_shared_objects(src: Path, dst: Path) -> None:
+    for so in src.rglob("*.so"):
+        target = dst / so.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(so, target)
+
+
+def make_adaptor(backend: str, options: dict[str, Any]) -> CompilerAdaptor:
+    return InductorAdaptor(options) if backend == "inductor" else EagerAdaptor()

@@ -1,0 +1,74 @@
+"""Build the compiled forward for a model from an EngineConfig's compilation settings."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.compiler.adaptors import make_adaptor
+from kiln.compiler.backend import KilnBackend
+from kiln.compiler.cache import CompileCache, default_cache_root
+from kiln.compiler.piecewise import Range
+from kiln.compiler.trace_once import TraceOnceModel
+from kiln.config import CompilationConfig
+
+logger = logging.getLogger(__name__)
+
+
+def compile_shapes(cc: CompilationConfig, max_num_batched_tokens: int) -> list[Range]:
+    """Exact sizes first (they win at dispatch), then the ranges."""
+    sizes = [Range(s, s) for s in sorted(set(cc.compile_sizes or []))]
+    return sizes + [Range(a, b) for a, b in cc.compile_ranges(max_num_batched_tokens)]
+
+
+def source_hash(model: nn.Module) -> str:
+    """Hash of the source files Dynamo traces: the model's module classes and kiln's
+    attention op (a code change must never load a stale artifact)."""
+    files = {inspect.getsourcefile(type(m)) for m in model.modules()}
+    files.add(sys.modules["kiln.attention.layer"].__file__)
+    h = hashlib.sha256()
+    for f in sorted(p for p in files if p):
+        h.update(f.encode().rsplit(b"/kiln/", 1)[-1])  # relative: the tree may move
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
+                  device: torch.device, shapes: list[Range], adaptor_hash: str) -> dict[str, Any]:
+    from kiln import __version__
+
+    model_config = {k: v for k, v in dataclasses.asdict(model.config).items() if k != "path"}
+    compilation = {k: v for k, v in dataclasses.asdict(cc).items()
+                   if k not in ("cache_dir", "use_cache")}
+    return {"kiln_version": __version__, "model_config": model_config, "dtype": str(dtype),
+            "compilation": compilation, "shapes": [str(s) for s in shapes],
+            "device": device_description(device), "torch": torch.__version__,
+            "compiler": adaptor_hash, "source": source_hash(model)}
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+
+
+def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
+                  device: torch.device, max_num_batched_tokens: int,
+                  progress: bool = True) -> tuple[TraceOnceModel, KilnBackend]:
+    adaptor = make_adaptor(cc.backend, cc.inductor_options)
+    shapes = compile_shapes(cc, max_num_batched_tokens)
+    cache = None
+    if cc.use_cache:
+        root = Path(cc.cache_dir).expanduser() if cc.cache_dir else default_cache_root()
+        cache = CompileCache(root, cache_factors(model, cc, dtype, device, shapes,
+                                                 adaptor.compute_hash()))
+        logger.info("compile cache %s", cache.dir)
+    backend = KilnBackend(adaptor, cc.splitting_ops or [], shapes, cache, progress)
+    return TraceOnceModel(model.forward, backend), backend

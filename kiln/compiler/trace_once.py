@@ -1,0 +1,35 @@
+"""Trace a model's forward with Dynamo exactly once.
+
+Every guard is dropped (`skip_all_guards_unsafe`) and only dim 0 of the inputs (the token
+count) is dynamic, so the single trace serves every batch size: a later call never
+re-enters Dynamo's tracer, and a token count of 1 does not trip a 0/1 specialisation.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from kiln.compiler.counter import compilation_counter
+
+
+def _no_guards() -> Callable[..., Any]:
+    fn = getattr(torch.compiler, "skip_all_guards_unsafe", None)
+    return fn if fn is not None else (lambda guards: [False] * len(guards))
+
+
+class TraceOnceModel:
+    """Callable stand-in for `model.forward(input_ids, positions)`."""
+
+    def __init__(self, forward: Callable[..., Any], backend: Callable[..., Any]) -> None:
+        compilation_counter.num_models_seen += 1
+        self._compiled = torch.compile(forward, fullgraph=True, backend=backend,
+                                       options={"guard_filter_fn": _no_guards()})
+        self.traced = False
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.traced:
+            torch._dynamo.mark_dynamic(input_ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+            self.traced = True
+        return self._compiled(input_ids, positions)
