@@ -39,7 +39,12 @@ def graph_signature(gm: fx.GraphModule, args: Sequence[Any]) -> str:
     for i, node in enumerate(gm.graph.nodes):
         index[node] = f"%{i}"
         rendered = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
-        target = node.target if node.op != "get_attr" else f"attr@{id(_attr(gm, node.target))}"
+        if node.op == "placeholder":
+            target = ""  # its name differs per layer; its position and metadata do not
+        elif node.op == "get_attr":
+            target = f"attr@{id(_attr(gm, node.target))}"  # distinct constants never merge
+        else:
+            target = node.target
         lines.append(f"{node.op} {_name(target)} {rendered}")
     lines.extend(_describe(a) for a in args)
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()

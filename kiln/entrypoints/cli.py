@@ -1,4 +1,5 @@
-"""The `kiln` command line: generate | chat (serve and bench plug in here later)."""
+"""The `kiln` command line: generate | chat | warmup | cache (serve and bench plug in
+here later)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import time
 from typing import Any, Sequence
 
 from kiln.config import EngineConfig
+from kiln.entrypoints.cache_cli import cmd_cache, cmd_warmup
 
 
 def _default(name: str) -> Any:
@@ -30,6 +32,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=None,
+                   help="compile cache location (default: $KILN_CACHE_DIR or "
+                        "$KILN_HOME/compile_cache)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile without reading or writing the compile cache")
+    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager"])
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -48,10 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wrap each prompt as a user message in the chat template")
     chat = sub.add_parser("chat", help="multi-turn chat at a prompt")
     chat.add_argument("--system", default=None, help="system prompt")
-    for p in (gen, chat):
+    warm = sub.add_parser("warmup", help="compile (or load) everything for a configuration "
+                                         "into the compile cache and report")
+    for p in (gen, chat, warm):
         _engine_args(p)
         _sampling_args(p)
         p.add_argument("-v", "--verbose", action="store_true")
+    cache = sub.add_parser("cache", help="inspect the compile cache")
+    cache.add_argument("action", choices=["ls", "verify", "clear"])
+    cache.add_argument("--cache-dir", default=None)
+    cache.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 
@@ -62,7 +76,9 @@ def _make_llm(args: argparse.Namespace) -> Any:
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-               attention_backend=args.attention_backend, seed=args.seed)
+               attention_backend=args.attention_backend, seed=args.seed,
+               compilation={"cache_dir": args.cache_dir, "use_cache": not args.no_compile_cache,
+                            "backend": args.compile_backend})
 
 
 def _params(args: argparse.Namespace) -> Any:
@@ -120,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "warmup":
+            return cmd_warmup(args, _make_llm)
+        if args.command == "cache":
+            return cmd_cache(args)
         return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
     except ValueError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)

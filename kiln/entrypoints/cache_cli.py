@@ -1,0 +1,83 @@
+"""`kiln warmup` and `kiln cache ls | verify | clear`."""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from kiln.compiler.cache import FACTORS, default_cache_root, verify_artifact
+
+
+def _root(args: argparse.Namespace) -> Path:
+    return Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_root()
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def cmd_warmup(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any]) -> int:
+    from kiln.compiler import compilation_counter
+
+    if args.optimization_level == 0:
+        args.optimization_level = 1  # warming a cache only makes sense when compiling
+    before = compilation_counter.clone()
+    start = time.perf_counter()
+    llm = make_llm(args)
+    elapsed = time.perf_counter() - start
+    d = compilation_counter.delta(before)
+    runner = llm.engine.runner
+    backend = runner.compile_backend
+    shapes = ", ".join(map(str, backend.shapes)) if backend else "-"
+    cache = backend.cache if backend else None
+    print(f"kiln warmup: {llm.engine.model_config.architecture}, {llm.engine.dtype}, "
+          f"-O{args.optimization_level}")
+    print(f"  pieces        {d['num_piecewise_graphs_seen']} "
+          f"({d['num_piecewise_capturable_graphs_seen']} compiled, "
+          f"{d['num_unique_graphs']} unique graphs)")
+    print(f"  sizes/ranges  {shapes}")
+    print(f"  builds        {d['num_backend_compilations']}: "
+          f"{d['num_compiled_artifacts_loaded']} cache hits, "
+          f"{d['num_inductor_compiles'] + d['num_eager_compiles']} compiled, "
+          f"{d['num_cache_repairs']} repaired")
+    print(f"  time          {elapsed:.1f} s start-up, "
+          f"{backend.compile_time_s if backend else 0:.1f} s in the compiler")
+    if cache is not None:
+        count = len(list((cache.dir / "artifacts").iterdir()))
+        print(f"  cache         {cache.dir} ({count} artifacts, "
+              f"{_size(cache.dir) / 2**20:.1f} MiB)")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    root = _root(args)
+    entries = sorted(p for p in root.iterdir() if (p / FACTORS).exists()) \
+        if root.exists() else []
+    if args.action == "clear":
+        for entry in entries:
+            shutil.rmtree(entry)
+        print(f"removed {len(entries)} cache entries from {root}")
+        return 0
+    if not entries:
+        print(f"no compile cache entries in {root}")
+        return 0
+    bad = 0
+    for entry in entries:
+        factors = json.loads((entry / FACTORS).read_text())
+        artifacts = sorted((entry / "artifacts").iterdir())
+        model = factors.get("model_config", {})
+        print(f"{entry.name}  {model.get('architecture')} L={model.get('num_layers')} "
+              f"{factors.get('dtype')} shapes={','.join(factors.get('shapes', []))} "
+              f"{len(artifacts)} artifacts {_size(entry) / 2**20:.1f} MiB")
+        if args.action == "verify":
+            for artifact in artifacts:
+                problem = verify_artifact(artifact)
+                bad += problem is not None
+                print(f"  {'ok ' if problem is None else 'BAD'} {artifact.name}"
+                      f"{'' if problem is None else ': ' + problem}")
+    if bad:
+        print(f"{bad} broken artifacts: they are rebuilt at the next start-up")
+    return 1 if bad else 0

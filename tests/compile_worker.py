@@ -1,0 +1,30 @@
+"""Run a tiny -O1 engine in a fresh process and print what the compiler did (JSON).
+
+    python compile_worker.py MODEL_DIR CACHE_DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from kiln import LLM, SamplingParams
+from kiln.compiler import compilation_counter
+
+PROMPTS = [[5, 9, 13, 200, 7], [100, 3, 44], list(range(3, 40))]
+
+
+def main() -> None:
+    model, cache_dir = sys.argv[1], sys.argv[2]
+    before = compilation_counter.clone()
+    llm = LLM(model, optimization_level=1, progress=False, max_model_len=128,
+              max_num_batched_tokens=64, compilation={"cache_dir": cache_dir})
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    print(json.dumps({"counters": compilation_counter.delta(before),
+                      "tokens": [o.outputs[0].token_ids for o in outs],
+                      "cache": str(llm.engine.runner.compile_backend.cache.dir)}))
+
+
+if __name__ == "__main__":
+    main()
