@@ -1,0 +1,115 @@
+"""The compile cache across real processes: cold saves, warm loads with zero Inductor
+compilations (also after the directory moves), broken artifacts are repaired, keys follow
+the configuration, and concurrent warmers leave one valid cache."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.compiler import verify_artifact
+from kiln.compiler.setup import compile_model
+from kiln.config import CompilationConfig
+from kiln.models import ModelConfig, build_model
+
+WORKER = Path(__file__).with_name("compile_worker.py")
+
+
+def run_worker(model: Path, cache: Path) -> dict:
+    res = subprocess.run([sys.executable, str(WORKER), str(model), str(cache)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_models, tmp_path_factory):
+    """One cold run into an empty cache (the expensive part, shared by the tests)."""
+    cache = tmp_path_factory.mktemp("cache")
+    return tiny_models["llama"][0], cache, run_worker(tiny_models["llama"][0], cache)
+
+
+def _artifacts(result: dict) -> list[Path]:
+    return sorted(Path(result["cache"], "artifacts").iterdir())
+
+
+def test_cold_saves_and_warm_process_loads_without_compiling(cold, tmp_path):
+    model, cache, first = cold
+    c = first["counters"]
+    assert c["num_inductor_compiles"] == c["num_compiled_artifacts_saved"] == 3
+    assert all(verify_artifact(a) is None for a in _artifacts(first))
+    assert (Path(first["cache"]) / "cache_key_factors.json").exists()
+    # A copy at another path still loads warm: nothing in it is tied to its location.
+    moved = tmp_path / "moved"
+    shutil.copytree(cache, moved)
+    warm = run_worker(model, moved)
+    w = warm["counters"]
+    assert w["num_inductor_compiles"] == 0 and w["num_compiled_artifacts_loaded"] == 3
+    assert w["num_graphs_seen"] == 1 and w["num_cache_repairs"] == 0
+    assert warm["tokens"] == first["tokens"]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+def test_broken_artifact_is_detected_and_repaired(cold, tmp_path, damage):
+    model, cache, first = cold
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    victim_dir = sorted(Path(copy, Path(first["cache"]).name, "artifacts").iterdir())[0]
+    victim = max((p for p in victim_dir.rglob("*") if p.is_file() and p.suffix != ".json"),
+                 key=lambda p: p.stat().st_size)
+    data = victim.read_bytes()
+    if damage == "corrupt":
+        victim.write_bytes(data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:])
+    elif damage == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    else:
+        victim.unlink()
+    assert verify_artifact(victim_dir) is not None
+    repaired = run_worker(model, copy)
+    c = repaired["counters"]
+    assert c["num_cache_repairs"] == 1 and c["num_inductor_compiles"] == 1
+    assert c["num_compiled_artifacts_loaded"] == 2
+    assert repaired["tokens"] == first["tokens"]
+    assert verify_artifact(victim_dir) is None  # rebuilt in place
+
+
+def test_three_processes_warm_one_empty_cache(tiny_models, tmp_path):
+    model = tiny_models["qwen2"][0]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(model), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert len({json.dumps(r["tokens"]) for r in results}) == 1
+    artifacts = _artifacts(results[0])
+    assert len(artifacts) == 3 and all(verify_artifact(a) is None for a in artifacts)
+    assert not [p for p in artifacts[0].parent.iterdir() if p.name.startswith(".")]
+
+
+def test_key_follows_dtype_and_compilation_fields(tiny_models, tmp_path):
+    path = tiny_models["llama"][0]
+    cfg = ModelConfig.from_pretrained(path)
+
+    def key(dtype=torch.float32, **fields) -> str:
+        model = build_model(cfg, dtype, torch.device("cpu"), progress=False)
+        settings = {"mode": 1, "splitting_ops": ["kiln::unified_attention"],
+                    "compile_sizes": [], "compile_ranges_endpoints": [],
+                    "cache_dir": str(tmp_path), **fields}
+        cc = CompilationConfig(**settings)
+        _, backend = compile_model(model, cc, dtype, torch.device("cpu"), 64, progress=False)
+        return backend.cache.key
+
+    base = key()
+    assert key() == base
+    assert key(torch.bfloat16) != base
+    assert key(compile_sizes=[4]) != base
+    assert key(compile_ranges_endpoints=[8]) != base
+    assert key(inductor_options={"max_autotune": True}) != base
