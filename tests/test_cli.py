@@ -37,3 +37,15 @@ def test_bad_flag_is_a_clear_error():
     res = kiln("generate", "hi", "--dtype", "float8")
     assert res.returncode == 2
     assert "dtype='float8'" in res.stderr and "bfloat16" in res.stderr
+
+
+def test_generate_o1_and_cache_commands(smollm2_dir, tmp_path):
+    res = kiln("generate", "--chat", "What is the capital of France?", "--max-tokens", "12",
+               "-O1")
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+    listing = kiln("cache", "verify")
+    assert listing.returncode == 0, listing.stdout
+    assert "LlamaForCausalLM L=30" in listing.stdout and " ok " in listing.stdout
+    empty = kiln("cache", "ls", "--cache-dir", str(tmp_path))
+    assert "no compile cache entries" in empty.stdout

@@ -56,3 +56,15 @@ def test_tiny_budget_and_preemption_keep_parity(smollm2_dir, prompts, references
                         use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == references
+
+
+def test_o1_compiled_matches_transformers(smollm2_dir, prompts, references):
+    """-O1: traced once, split at attention, Inductor pieces (warm from `make test`'s
+    `kiln warmup -O1` when KILN_CACHE_DIR points at it)."""
+    from kiln.compiler import compilation_counter
+
+    llm = LLM(str(smollm2_dir), dtype="float32", optimization_level=1, progress=False)
+    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0):
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW),
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == references

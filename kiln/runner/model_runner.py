@@ -78,11 +78,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile_now(self) -> None:
-        """Trace and compile (or load) every size and range before the first request:
-        one dummy forward at the largest token count, then one at a single token that
-        must reuse what was built. Attention is a no-op without metadata."""
+        """Trace and compile (or load) every size and range before the first request.
+
+        The trace is symbolic in the token count, so a short dummy batch suffices (a full
+        2048-token forward would cost seconds); a second call with one token must reuse
+        what was built. Attention is a no-op without metadata."""
         ctx = ForwardContext(None, self.kv_caches, self.attn_backends)
-        for n in (self.limits.max_num_batched_tokens, 1):
+        for n in (min(self.limits.max_num_batched_tokens, 16), 1):
             with set_forward_context(ctx):
                 self.forward(self.input_ids.device[:n], self.positions.device[:n])
 
