@@ -5,6 +5,8 @@
     <root>/<key>/artifacts/<name>/          an Inductor artifact (unpacked, with .so files)
     <root>/<key>/artifacts/<name>/kiln_manifest.json   sha256 of every file in it
     <root>/<key>/locks/<name>.lock          serialises writers of one artifact
+    <root>/<key>/graph.pkl (+ .sha256)      the traced graph, its inputs and piece table:
+                                            a warm start rebuilds it without Dynamo
 
 Writers build into a temporary sibling directory and rename it into place under the
 artifact's file lock, so readers see a whole artifact or none. An artifact whose manifest
@@ -75,6 +77,28 @@ class CompileCache:
             if verify_artifact(path) is not None or problem.startswith("failed"):
                 shutil.rmtree(path, ignore_errors=True)
         return None
+
+    def write_blob(self, name: str, data: bytes, digest: str) -> None:
+        """A small whole-file record next to the artifacts (atomic, checksummed)."""
+        path, sum_path = self.dir / name, self.dir / f"{name}.sha256"
+        tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
+        tmp.write_bytes(data)
+        with FileLock(str(self.dir / "locks" / f"{name}.lock")):
+            os.replace(tmp, path)
+            _write_atomic(sum_path, digest)
+
+    def read_blob(self, name: str, digest: Callable[[bytes], str]) -> bytes | None:
+        path, sum_path = self.dir / name, self.dir / f"{name}.sha256"
+        try:
+            with FileLock(str(self.dir / "locks" / f"{name}.lock")):
+                data, expected = path.read_bytes(), sum_path.read_text().strip()
+        except OSError:
+            return None
+        if digest(data) != expected:
+            logger.warning("compile cache record %s is corrupted; tracing again", path)
+            compilation_counter.num_cache_repairs += 1
+            return None
+        return data
 
     def save(self, name: str, build: Callable[[Path], Any]) -> Any:
         """Run `build(tmp_dir)` and publish its directory as artifact `name`.

@@ -13,6 +13,7 @@ from typing import Iterator
 class CompilationCounter:
     num_models_seen: int = 0
     num_graphs_seen: int = 0  # Dynamo traces that reached the kiln backend
+    num_graphs_loaded: int = 0  # traced graphs rebuilt from the cache (no Dynamo)
     num_piecewise_graphs_seen: int = 0  # pieces after the split, splitting ops included
     num_piecewise_capturable_graphs_seen: int = 0  # compiled pieces (graph-capturable)
     num_unique_graphs: int = 0  # distinct compiled pieces (identical layers count once)

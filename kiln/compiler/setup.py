@@ -70,5 +70,5 @@ def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
         cache = CompileCache(root, cache_factors(model, cc, dtype, device, shapes,
                                                  adaptor.compute_hash()))
         logger.info("compile cache %s", cache.dir)
-    backend = KilnBackend(adaptor, cc.splitting_ops or [], shapes, cache, progress)
+    backend = KilnBackend(model, adaptor, cc.splitting_ops or [], shapes, cache, progress)
     return TraceOnceModel(model.forward, backend), backend

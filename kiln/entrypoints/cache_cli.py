@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import time
@@ -17,6 +18,15 @@ def _root(args: argparse.Namespace) -> Path:
 
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _record_intact(entry: Path) -> bool:
+    try:
+        data, expected = (entry / "graph.pkl").read_bytes(), \
+            (entry / "graph.pkl.sha256").read_text().strip()
+    except OSError:
+        return False
+    return hashlib.sha256(data).hexdigest() == expected
 
 
 def cmd_warmup(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any]) -> int:
@@ -73,6 +83,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
               f"{factors.get('dtype')} shapes={','.join(factors.get('shapes', []))} "
               f"{len(artifacts)} artifacts {_size(entry) / 2**20:.1f} MiB")
         if args.action == "verify":
+            if (entry / "graph.pkl").exists():
+                intact = _record_intact(entry)
+                bad += not intact
+                print(f"  {'ok ' if intact else 'BAD'} graph.pkl")
             for artifact in artifacts:
                 problem = verify_artifact(artifact)
                 bad += problem is not None
