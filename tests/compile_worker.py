@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 from kiln import LLM, SamplingParams
@@ -13,7 +14,26 @@ from kiln.compiler import compilation_counter
 PROMPTS = [[5, 9, 13, 200, 7], [100, 3, 44], list(range(3, 40))]
 
 
+COMPILER_CALLS: list[str] = []
+
+
+def _audit_compiler_calls() -> None:
+    """Record every C/C++ compiler invocation (version probes aside) this process makes."""
+    original = subprocess.Popen.__init__
+
+    def init(self, args, *a, **k):
+        cmd = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+        words = cmd.split()
+        if words and words[0].rsplit("/", 1)[-1] in ("g++", "gcc", "c++", "cc", "clang++") \
+                and not {"--version", "-v", "-dumpversion"} & set(words):
+            COMPILER_CALLS.append(cmd[:200])
+        original(self, args, *a, **k)
+
+    subprocess.Popen.__init__ = init
+
+
 def main() -> None:
+    _audit_compiler_calls()
     model, cache_dir = sys.argv[1], sys.argv[2]
     before = compilation_counter.clone()
     llm = LLM(model, optimization_level=1, progress=False, max_model_len=128,
@@ -23,7 +43,8 @@ def main() -> None:
                         use_tqdm=False)
     print(json.dumps({"counters": compilation_counter.delta(before),
                       "tokens": [o.outputs[0].token_ids for o in outs],
-                      "cache": str(llm.engine.runner.compile_backend.cache.dir)}))
+                      "cache": str(llm.engine.runner.compile_backend.cache.dir),
+                      "compiler_calls": COMPILER_CALLS}))
 
 
 if __name__ == "__main__":

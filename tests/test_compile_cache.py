@@ -42,6 +42,7 @@ def test_cold_saves_and_warm_process_loads_without_compiling(cold, tmp_path):
     model, cache, first = cold
     c = first["counters"]
     assert c["num_inductor_compiles"] == c["num_compiled_artifacts_saved"] == 3
+    assert first["compiler_calls"]  # the audit does see g++ when it runs
     assert all(verify_artifact(a) is None for a in _artifacts(first))
     assert (Path(first["cache"]) / "cache_key_factors.json").exists()
     # A copy at another path still loads warm: nothing in it is tied to its location.
@@ -50,6 +51,7 @@ def test_cold_saves_and_warm_process_loads_without_compiling(cold, tmp_path):
     warm = run_worker(model, moved)
     w = warm["counters"]
     assert w["num_inductor_compiles"] == 0 and w["num_compiled_artifacts_loaded"] == 3
+    assert warm["compiler_calls"] == []  # the .so files travel with the artifacts
     # No Dynamo either: the split graph is rebuilt from the cache's graph record.
     assert w["num_graphs_seen"] == 0 and w["num_graphs_loaded"] == 1
     assert w["num_cache_repairs"] == 0

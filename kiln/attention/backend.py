@@ -68,6 +68,13 @@ class AttentionBackend(ABC):
     def supports(cls, head_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
         """None when this backend can run the configuration, else the reason it cannot."""
 
+    @classmethod
+    def build_metadata(cls, common: AttentionMetadata) -> AttentionMetadata:
+        """The metadata builder: derive this backend's per-step metadata from the runner's
+        common metadata, once per step for all layers. The PyTorch backend uses it as is;
+        kernel backends add their own fields (split counts, scheduler buffers)."""
+        return common
+
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                        head_size: int) -> tuple[int, ...]:

@@ -55,6 +55,7 @@ class ModelRunner:
         self.model = build_model(model_config, dtype, device, progress)
         backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device)
         layers = self.model.attention_layers()
+        self.attn_backend_cls = backend_cls
         self.attn_backends = [backend_cls(layer.spec) for layer in layers]
         self.kv_spec = FullAttentionSpec(limits.block_size, model_config.num_kv_heads,
                                          model_config.head_dim, dtype)
@@ -161,7 +162,7 @@ class ModelRunner:
                 sample_ids.append(rid)
         for buf in (self.input_ids, self.positions, self.slot_mapping):
             buf.copy_to_device(offset)
-        metadata = AttentionMetadata(
+        common = AttentionMetadata(
             num_actual_tokens=offset, num_reqs=num_reqs,
             query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
             seq_lens=self.seq_lens.copy_to_device(num_reqs),
@@ -171,7 +172,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens[:num_reqs].tolist(),
             max_query_len=max(num_scheduled.values()), max_seq_len=int(seq_lens[:num_reqs].max()))
         indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        return metadata, indices, sample_ids
+        return self.attn_backend_cls.build_metadata(common), indices, sample_ids
 
     def _sample(self, hidden: torch.Tensor, sample_ids: list[str]) -> list[int]:
         states = [self.requests[rid] for rid in sample_ids]
