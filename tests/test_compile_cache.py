@@ -128,6 +128,9 @@ def test_key_follows_dtype_and_compilation_fields(tiny_models, tmp_path):
 
     base = key()
     assert key() == base
+    # Nothing location-bound in the key: another checkout or venv computes the same one.
+    factors = (tmp_path / base / "cache_key_factors.json").read_text()
+    assert sys.prefix not in factors and str(Path(__file__).parents[1]) not in factors
     assert key(torch.bfloat16) != base
     assert key(compile_sizes=[4]) != base
     assert key(compile_ranges_endpoints=[8]) != base

@@ -30,13 +30,15 @@ def compile_shapes(cc: CompilationConfig, max_num_batched_tokens: int) -> list[R
 
 def source_hash(model: nn.Module) -> str:
     """Hash of the source files Dynamo traces: the model's module classes and kiln's
-    attention op (a code change must never load a stale artifact)."""
-    files = {inspect.getsourcefile(type(m)) for m in model.modules()}
-    files.add(sys.modules["kiln.attention.layer"].__file__)
+    attention layer (a code change must never load a stale artifact). Files are named by
+    module, not path, so the same code in another checkout or venv hashes alike."""
+    modules = {type(m).__module__ for m in model.modules()} | {"kiln.attention.layer"}
     h = hashlib.sha256()
-    for f in sorted(p for p in files if p):
-        h.update(f.encode().rsplit(b"/kiln/", 1)[-1])  # relative: the tree may move
-        h.update(Path(f).read_bytes())
+    for name in sorted(modules):
+        source = inspect.getsourcefile(sys.modules[name])
+        if source:
+            h.update(name.encode())
+            h.update(Path(source).read_bytes())
     return h.hexdigest()[:16]
 
 
