@@ -125,6 +125,11 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str | None = None
     compilation: CompilationConfig | dict | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower value first)
+    long_prefill_token_threshold: int = 0  # 0: off
+    full_sequence_must_fit: bool = False
+    log_stats_interval_s: float = 10.0  # 0: never log scheduler stats
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -150,6 +155,14 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be 'fcfs' "
+                             "or 'priority'")
+        if not isinstance(self.long_prefill_token_threshold, int) \
+                or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold="
+                             f"{self.long_prefill_token_threshold!r} must be 0 (off) or a "
+                             "positive integer")
         self.compilation = _compilation(self.compilation)
         self.compilation.validate(self.max_num_batched_tokens)
         self._apply_level()

@@ -43,11 +43,32 @@ def test_ref_counts_and_double_free():
         pool.free_blocks([b])
 
 
-def test_freed_blocks_join_the_tail_in_order():
-    pool = BlockPool(6)
-    blocks = pool.get_new_blocks(5)
-    pool.free_blocks(reversed(blocks))
-    assert [blk.block_id for blk in pool.free_queue] == [5, 4, 3, 2, 1]
+def test_unhashed_blocks_are_reused_first_hashed_ones_evicted_lru():
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(7)
+    for b in blocks[:3]:
+        pool.cache_block(b, bytes([b.block_id]))
+    pool.free_blocks(reversed(blocks))  # a request frees its tail first
+    # Unhashed 7, 6, 5, 4 went to the head (LIFO); hashed 3, 2, 1 to the tail in that order.
+    assert [blk.block_id for blk in pool.free_queue] == [4, 5, 6, 7, 3, 2, 1]
+    again = pool.get_new_blocks(5)  # takes 4..7, then evicts the oldest cached: 3
+    assert [b.block_id for b in again] == [4, 5, 6, 7, 3]
+    assert pool.get_cached_block(bytes([3])) is None and blocks[2].block_hash is None
+    assert pool.get_cached_block(bytes([1])) is blocks[0]
+
+
+def test_touch_takes_cached_blocks_off_the_free_queue():
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, b"a")
+    pool.free_blocks([a, b])
+    assert pool.get_num_free_blocks() == 3
+    hit = pool.get_cached_block(b"a")
+    pool.touch([hit])
+    assert hit.ref_cnt == 1 and pool.get_num_free_blocks() == 2
+    assert hit not in list(pool.free_queue)
+    pool.touch([hit])  # a second holder: no queue change
+    assert hit.ref_cnt == 2 and pool.get_num_free_blocks() == 2
 
 
 def test_over_allocation_raises_and_changes_nothing():

@@ -68,3 +68,20 @@ def test_o1_compiled_matches_transformers(smollm2_dir, prompts, references):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW),
                             use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references
+
+
+def test_prefix_caching_keeps_parity_on_a_shared_system_prompt(smollm2_dir):
+    system = ("You are a careful assistant for a pottery studio. You answer briefly, you "
+              "never invent facts, and when you do not know something you say so. Kilns, "
+              "glazes, clay bodies and firing schedules are your specialty. ") * 2
+    cached = LLM(str(smollm2_dir), dtype="float32", progress=False)
+    plain = LLM(str(smollm2_dir), dtype="float32", progress=False, enable_prefix_caching=False)
+    prompts = [cached.apply_chat_template([{"role": "system", "content": system},
+                                           {"role": "user", "content": q}])
+               for q in QUESTIONS[:4]]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    cached.generate(prompts[:1], params, use_tqdm=False)  # warm the prefix
+    hit = [o.outputs[0].token_ids for o in cached.generate(prompts, params, use_tqdm=False)]
+    assert cached.engine.get_stats().prefix_cache_hits > 3 * 64
+    assert hit == [o.outputs[0].token_ids for o in plain.generate(prompts, params,
+                                                                   use_tqdm=False)]

@@ -9,20 +9,27 @@ import torch
 
 from kiln.engine import Request, RequestStatus
 from kiln.sampling import SamplingParams
-from kiln.scheduler import (FullAttentionSpec, KVCacheManager, ModelRunnerOutput, Scheduler,
-                            SchedulerOutput)
+from kiln.scheduler import (BlockHasher, FullAttentionSpec, KVCacheManager,
+                            ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerPolicy)
 
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
 
 
-def make_scheduler(num_blocks=64, budget=32, max_seqs=8, max_len=64) -> Scheduler:
-    return Scheduler(KVCacheManager(SPEC, num_blocks), max_num_seqs=max_seqs,
-                     max_num_batched_tokens=budget, max_model_len=max_len)
+HASHER = BlockHasher(SPEC.block_size)
 
 
-def req(rid: str, n_prompt: int, max_tokens: int = 4, eos=(2,)) -> Request:
-    return Request(rid, [5] * n_prompt, SamplingParams(temperature=0, max_tokens=max_tokens),
-                   eos)
+def make_scheduler(num_blocks=64, budget=32, max_seqs=8, max_len=64, caching=False,
+                   **policy) -> Scheduler:
+    return Scheduler(KVCacheManager(SPEC, num_blocks, enable_caching=caching),
+                     max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                     max_model_len=max_len, policy=SchedulerPolicy(**policy))
+
+
+def req(rid: str, n_prompt: int, max_tokens: int = 4, eos=(2,), priority: int = 0,
+        tokens: list[int] | None = None) -> Request:
+    return Request(rid, tokens or [5] * n_prompt,
+                   SamplingParams(temperature=0, max_tokens=max_tokens), eos,
+                   priority=priority, block_hasher=HASHER)
 
 
 def fake_run(sched: Scheduler, so: SchedulerOutput, token: int = 7):
@@ -107,25 +114,84 @@ def test_max_num_seqs_caps_running():
     assert len(s.schedule().num_scheduled_tokens) == 2
 
 
+def test_priority_victim_is_lowest_priority_and_its_budget_is_refunded():
+    s = make_scheduler(num_blocks=6, budget=64, policy="priority")  # 5 usable blocks
+    s.add_request(req("low", 8, max_tokens=20, priority=5))
+    fake_run(s, s.schedule())  # low: 2 blocks, running
+    s.add_request(req("high", 8, max_tokens=20, priority=0))
+    fake_run(s, s.schedule())  # low decodes (3 blocks), high is admitted (2): pool full
+    so = s.schedule()  # low fits in its block; high needs a new one
+    # 'low' was scheduled first this step, then 'high' ran out: 'low' is the victim (not
+    # the last-running one) and gives its tokens back.
+    assert so.preempted_req_ids == {"low"}
+    assert list(so.num_scheduled_tokens) == ["high"]
+    assert [c.req_id for c in so.scheduled_cached_reqs] == ["high"]
+    check_invariants(s)
+
+
+def test_long_prefill_threshold_splits_prompts_when_others_wait():
+    s = make_scheduler(budget=64, long_prefill_token_threshold=4)
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 10))
+    assert s.schedule().num_scheduled_tokens == {"a": 4, "b": 4}
+    alone = make_scheduler(budget=64, long_prefill_token_threshold=4)
+    alone.add_request(req("a", 10))
+    assert alone.schedule().num_scheduled_tokens == {"a": 10}  # alone: no cap
+
+
+def test_full_sequence_must_fit_holds_back_admission():
+    for must_fit, admitted in ((False, {"a", "b"}), (True, {"a"})):
+        s = make_scheduler(num_blocks=11, budget=64, max_len=40,
+                           full_sequence_must_fit=must_fit)
+        s.add_request(req("a", 4, max_tokens=4))
+        fake_run(s, s.schedule())
+        s.add_request(req("b", 4, max_tokens=36))  # 40 tokens = 10 blocks: not free now
+        assert set(s.schedule().num_scheduled_tokens) == admitted
+
+
+def test_prefix_hits_skip_computed_tokens_capped_below_the_last():
+    s = make_scheduler(budget=64, caching=True)
+    s.add_request(req("first", 12, tokens=list(range(10, 22))))
+    fake_run(s, s.schedule())
+    # Same 12 tokens: 3 full blocks cached, but the last token must be computed.
+    s.add_request(req("same", 12, tokens=list(range(10, 22))))
+    # Shares 2 blocks, then differs.
+    s.add_request(req("fork", 12, tokens=list(range(10, 18)) + [1, 1, 1, 1]))
+    so = s.schedule()
+    new = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+    assert new == {"same": 8, "fork": 8}
+    assert so.num_scheduled_tokens["same"] == 4 and so.num_scheduled_tokens["fork"] == 4
+    shared = s.kv.req_to_blocks["same"][:2]
+    assert shared == s.kv.req_to_blocks["first"][:2] == s.kv.req_to_blocks["fork"][:2]
+    assert all(b.ref_cnt == 3 for b in shared)
+    check_invariants(s)
+
+
 OPS = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12)),
-    st.tuples(st.just("abort"), st.integers(0, 40), st.just(0)),
-    st.tuples(st.just("step"), st.just(0), st.just(0)),
+    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)),
+    st.tuples(st.just("abort"), st.integers(0, 40), st.just(0), st.just(0)),
+    st.tuples(st.just("step"), st.just(0), st.just(0), st.just(0)),
 ), max_size=60)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(9, 24), budget=st.integers(1, 24),
-       max_seqs=st.integers(1, 6))
-def test_random_workloads_never_leak(ops, num_blocks, budget, max_seqs):
-    s = make_scheduler(num_blocks=num_blocks, budget=budget, max_seqs=max_seqs, max_len=32)
+       max_seqs=st.integers(1, 6), caching=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]), threshold=st.sampled_from([0, 3]))
+def test_random_workloads_never_leak(ops, num_blocks, budget, max_seqs, caching, policy,
+                                     threshold):
+    s = make_scheduler(num_blocks=num_blocks, budget=budget, max_seqs=max_seqs, max_len=32,
+                       caching=caching, policy=policy, long_prefill_token_threshold=threshold)
     added: list[str] = []
     finished: set[str] = set()
-    for op, a, b in ops:
+    for op, a, b, c in ops:
         if op == "add":
             rid = str(len(added))
             added.append(rid)
-            s.add_request(req(rid, min(a, 31), max_tokens=b, eos=()))
+            # Prompts share prefixes (token = position % 3 + c): prefix hits are common.
+            tokens = [(i % 3) + c for i in range(min(a, 31))]
+            s.add_request(req(rid, len(tokens), max_tokens=b, eos=(), priority=c,
+                              tokens=tokens))
         elif op == "abort" and added:
             rid = added[a % len(added)]
             s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)

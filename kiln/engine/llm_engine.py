@@ -18,7 +18,8 @@ from kiln.models import ModelConfig, model_class
 from kiln.models.model_source import resolve_model
 from kiln.runner import ModelRunner, RunnerLimits
 from kiln.sampling import SamplingParams
-from kiln.scheduler import KVCacheManager, Scheduler
+from kiln.scheduler import (BlockHasher, KVCacheManager, Scheduler, SchedulerPolicy,
+                            SchedulerStats)
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,15 @@ class LLMEngine:
                                   attention_backend=config.attention_backend,
                                   compilation=config.compilation, progress=progress)
         check_kv_capacity(self.runner.num_kv_blocks, config.block_size, self.max_model_len)
-        kv = KVCacheManager(self.runner.kv_spec, self.runner.num_kv_blocks)
+        kv = KVCacheManager(self.runner.kv_spec, self.runner.num_kv_blocks,
+                            enable_caching=config.enable_prefix_caching)
+        self._hasher = BlockHasher(config.block_size) if config.enable_prefix_caching else None
+        policy = SchedulerPolicy(config.scheduling_policy, config.long_prefill_token_threshold,
+                                 config.full_sequence_must_fit)
         self.scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, policy=policy)
+        self._last_stats_log = time.monotonic()
         self._tracked: dict[str, _Tracked] = {}
         self.load_time_s = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d", self.load_time_s,
@@ -77,12 +83,14 @@ class LLMEngine:
         return prompt, self.tokenizer.encode(prompt)
 
     def add_request(self, request_id: str, prompt: str | dict[str, Any],
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None, *, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        request = Request(request_id, ids, params, eos)
+        request = Request(request_id, ids, params, eos, priority=priority,
+                          cache_salt=cache_salt, block_hasher=self._hasher)
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
             text, ids, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
@@ -110,12 +118,27 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def get_stats(self) -> SchedulerStats:
+        """Running/waiting counts, KV usage, prefix-cache queries and hits, preemptions."""
+        return self.scheduler.make_stats()
+
+    def _maybe_log_stats(self) -> None:
+        interval = self.config.log_stats_interval_s
+        if not interval or time.monotonic() - self._last_stats_log < interval:
+            return
+        self._last_stats_log = time.monotonic()
+        s = self.get_stats()
+        logger.info("running %d, waiting %d, KV usage %.1f%%, prefix-cache hit rate %.1f%%, "
+                    "preemptions %d", s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
+                    100 * s.prefix_cache_hit_rate, s.num_preemptions)
+
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return an output (cumulative) for every request that
         got new tokens."""
         so = self.scheduler.schedule()
         runner_out = self.runner.execute(so)
+        self._maybe_log_stats()
         outputs = []
         for core in self.scheduler.update_from_output(so, runner_out):
             tracked = self._tracked[core.req_id]

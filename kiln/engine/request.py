@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from kiln.sampling.params import SamplingParams
@@ -37,11 +37,14 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "arrival_time", "output_token_ids", "all_token_ids", "num_computed_tokens",
-                 "status", "stop_reason", "num_preemptions")
+                 "status", "stop_reason", "num_preemptions", "priority", "cache_salt",
+                 "block_hashes", "_block_hasher")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, *, priority: int = 0,
+                 cache_salt: str | None = None,
+                 block_hasher: Callable[[Request], None] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -53,6 +56,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.priority = priority  # lower runs first under the priority policy
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []  # one per full block of known tokens
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            block_hasher(self)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +82,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self._block_hasher is not None:
+            self._block_hasher(self)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "

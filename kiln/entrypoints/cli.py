@@ -38,6 +38,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile-cache", action="store_true",
                    help="compile without reading or writing the compile cache")
     p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager"])
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV of shared prompt prefixes")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="cap on prefill tokens per request per step (0: off)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -78,7 +83,10 @@ def _make_llm(args: argparse.Namespace) -> Any:
                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
                attention_backend=args.attention_backend, seed=args.seed,
                compilation={"cache_dir": args.cache_dir, "use_cache": not args.no_compile_cache,
-                            "backend": args.compile_backend})
+                            "backend": args.compile_backend},
+               enable_prefix_caching=not args.no_prefix_caching,
+               scheduling_policy=args.scheduling_policy,
+               long_prefill_token_threshold=args.long_prefill_token_threshold)
 
 
 def _params(args: argparse.Namespace) -> Any:

@@ -37,20 +37,24 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. A prompt that
         is rejected (too long, empty) gets an output with `error` set and
         finish_reason 'error'; the others run normally."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params):
+        for prompt, p, prio in zip(prompts, params, priorities):
             rid = str(next(self._ids))
             order.append(rid)
             try:
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, priority=prio)
             except ValueError as exc:
                 logger.warning("request %s rejected: %s", rid, exc)
                 results[rid] = _error_output(rid, prompt, str(exc))

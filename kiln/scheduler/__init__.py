@@ -1,10 +1,13 @@
 from kiln.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kiln.scheduler.kv_cache_manager import KVCacheManager
+from kiln.scheduler.block_hash import BlockHasher, hash_block
+from kiln.scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from kiln.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
-from kiln.scheduler.scheduler import EngineCoreOutput, Scheduler
+from kiln.scheduler.scheduler import (EngineCoreOutput, Scheduler, SchedulerPolicy,
+                                      SchedulerStats)
 
-__all__ = ["BlockPool", "CachedRequestData", "EngineCoreOutput", "FreeKVCacheBlockQueue",
+__all__ = ["BlockHasher", "PrefixCacheStats", "SchedulerPolicy", "SchedulerStats",
+           "hash_block", "BlockPool", "CachedRequestData", "EngineCoreOutput", "FreeKVCacheBlockQueue",
            "FullAttentionSpec", "KVCacheBlock", "KVCacheManager", "KVCacheSpec",
            "ModelRunnerOutput", "NewRequestData", "Scheduler", "SchedulerOutput"]

@@ -1,8 +1,13 @@
-"""BlockPool: every KV block, their reference counts, and the free queue.
+"""BlockPool: every KV block, their reference counts, the free queue, and the prefix
+cache (block hash -> block).
 
 Invariants (property-tested): a block with `ref_cnt == 0` is in the free queue exactly
 once; a block with `ref_cnt > 0` is not in it; block 0 is the null block, never handed
-out and never freed (padding rows of the block table point at it).
+out and never freed (padding rows of the block table point at it). A free block may still
+be cached: it keeps its hash until it is handed out again (evicted).
+
+Free-queue order: freed blocks without a hash go to the head (reused first, LIFO); hashed
+ones go to the tail, so allocation evicts the least recently freed cached block first.
 """
 from __future__ import annotations
 
@@ -51,6 +56,14 @@ class FreeKVCacheBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        if block.prev_free is not None:
+            raise RuntimeError(f"{block} is already in the free queue")
+        first = self._head.next_free
+        self._head.next_free, block.prev_free = block, self._head
+        block.next_free, first.prev_free = first, block
+        self.num_free_blocks += 1
+
     def append(self, block: KVCacheBlock) -> None:
         if block.prev_free is not None:
             raise RuntimeError(f"{block} is already in the free queue")
@@ -74,6 +87,7 @@ class BlockPool:
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
+        self.cached: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -93,13 +107,38 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks, {self.get_num_free_blocks()} free")
         blocks = [self.free_queue.popleft() for _ in range(n)]
         for block in blocks:
+            self._evict(block)
             block.ref_cnt = 1
-            block.block_hash = None
         return blocks
 
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache hits; a free one leaves the free queue first."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Register a newly full block. An equal block already cached keeps the entry
+        (both hold the same KV; this one is simply not shareable)."""
+        if block.block_hash is None:
+            block.block_hash = block_hash
+            self.cached.setdefault(block_hash, block)
+
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching zero join the queue's tail
-        in the given order (callers pass tail blocks first so they are evicted first)."""
+        """Drop one reference from each block. Blocks reaching zero join the queue: hashed
+        ones at the tail in the given order (callers pass a request's tail blocks first, so
+        those are evicted first), unhashed ones at the head."""
         for block in blocks:
             if block.is_null:
                 continue
@@ -107,4 +146,7 @@ class BlockPool:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)

@@ -2,16 +2,18 @@
 
 Each step every request's `num_computed_tokens` catches up with its `num_tokens` as far as
 the budget allows: running requests first (decodes and unfinished prefill chunks), then
-waiting ones (chunked prefill when the budget runs short). When blocks run out, the last
-running request is preempted (FCFS victim) and will be recomputed from scratch.
+waiting ones, which start from their longest prefix-cache hit (chunked prefill when the
+budget runs short). When blocks run out a running request is preempted and later
+recomputed: the last one under FCFS, the lowest-priority one under the priority policy.
 """
 from __future__ import annotations
 
+import bisect
 import logging
-from collections import deque
 from dataclasses import dataclass
 
 from kiln.engine.request import Request, RequestStatus
+from kiln.scheduler.block_pool import KVCacheBlock
 from kiln.scheduler.kv_cache_manager import KVCacheManager
 from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
@@ -27,17 +29,44 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerPolicy:
+    policy: str = "fcfs"  # "fcfs" | "priority" (lower value first)
+    long_prefill_token_threshold: int = 0  # 0: off; else max prefill tokens per request-step
+    full_sequence_must_fit: bool = False  # admit only if prompt + max_tokens fit now
+    watermark: float = 0.01  # keep this fraction of blocks free when admitting
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries \
+            if self.prefix_cache_queries else 0.0
+
+
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int,
+                 policy: SchedulerPolicy | None = None) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.policy = policy or SchedulerPolicy()
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # in admission order for the policy
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the runner next step
+        self._arrivals = 0
+        self._order: dict[str, tuple] = {}
         self.num_preemptions = 0
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -45,7 +74,15 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._arrivals += 1
+        key = (request.priority, self._arrivals) if self.policy.policy == "priority" \
+            else (self._arrivals,)
+        self._order[request.request_id] = key
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        keys = [self._order[r.request_id] for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self._order[request.request_id]), request)
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """Finish (e.g. abort) requests in any state; unknown ids are ignored."""
@@ -67,67 +104,105 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def make_stats(self) -> SchedulerStats:
+        s = self.kv.stats
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, s.queries,
+                              s.hits, self.num_preemptions)
+
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
+        del self._order[request.request_id]
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
-        new: list[NewRequestData] = []
-        preempted: set[str] = set()
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
-            if new_blocks is None:  # the request itself was preempted
+        step = _Step(self.max_num_batched_tokens)
+        for request in list(self.running):
+            if step.budget <= 0:
                 break
-            cached.append(CachedRequestData(request.request_id,
-                                            [b.block_id for b in new_blocks],
-                                            request.num_computed_tokens))
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            i += 1
+            if request.request_id in step.preempted:
+                continue
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, step)
+            new_blocks = self._allocate_or_preempt(request, num_new, step)
+            if new_blocks is None:  # the request itself was preempted
+                continue
+            step.cached[request.request_id] = CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks],
+                request.num_computed_tokens)
+            step.take(request.request_id, num_new)
 
         # Admitting new work in a step that had to preempt would only thrash.
-        while (not preempted and self.waiting and budget > 0
+        while (not step.preempted and self.waiting and step.budget > 0
                and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request, num_new) is None:
+            if not self._admit(self.waiting[0], step):
                 break
-            self.waiting.popleft()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            new.append(NewRequestData(request.request_id, list(request.all_token_ids),
-                                      self.kv.get_block_ids(request.request_id),
-                                      request.num_computed_tokens, request.sampling_params))
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
 
-        out = SchedulerOutput(new, cached, num_scheduled, sum(num_scheduled.values()),
-                              self._finished_ids, preempted)
+        out = SchedulerOutput(step.new, list(step.cached.values()), step.scheduled,
+                              sum(step.scheduled.values()), self._finished_ids, step.preempted)
         self._finished_ids = set()
-        for rid, n in num_scheduled.items():  # progress is booked when scheduled
+        for rid, n in step.scheduled.items():  # progress is booked when scheduled
             self.requests[rid].num_computed_tokens += n
         return out
 
+    def _chunk(self, num_new: int, step: _Step) -> int:
+        threshold = self.policy.long_prefill_token_threshold
+        if threshold and self.get_num_unfinished_requests() > 1:
+            num_new = min(num_new, threshold)  # alone, a request may take the whole budget
+        return min(num_new, step.budget)
+
+    def _admit(self, request: Request, step: _Step) -> bool:
+        computed: list[KVCacheBlock] = []
+        num_computed = request.num_computed_tokens
+        if num_computed == 0:
+            computed, num_computed = self.kv.get_computed_blocks(request)
+        num_new = self._chunk(request.num_tokens - num_computed, step)
+        if not self._fits(request, num_computed + num_new, len(computed)):
+            return False
+        if self.kv.allocate_slots(request, num_new, computed) is None:
+            return False
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        step.new.append(NewRequestData(request.request_id, list(request.all_token_ids),
+                                       self.kv.get_block_ids(request.request_id),
+                                       num_computed, request.sampling_params))
+        step.take(request.request_id, num_new)
+        return True
+
+    def _fits(self, request: Request, num_tokens: int, num_hit_blocks: int) -> bool:
+        """Admission checks beyond "the blocks for this step exist" (which allocate_slots
+        makes). With nothing running every request must be admissible, or it would wait
+        forever: start-up checked that max_model_len fits the whole cache."""
+        if not self.running:
+            return True
+        pool, bs = self.kv.block_pool, self.kv.block_size
+        if self.policy.full_sequence_must_fit:
+            max_tokens = request.sampling_params.max_tokens or self.max_model_len
+            num_tokens = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+        needed = -(-num_tokens // bs) - num_hit_blocks
+        reserve = int(self.policy.watermark * (pool.num_blocks - 1))
+        return pool.get_num_free_blocks() - needed >= reserve
+
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             preempted: set[str]):
+                             step: _Step) -> list[KVCacheBlock] | None:
         while True:
             blocks = self.kv.allocate_slots(request, num_new)
             if blocks is not None:
                 return blocks
-            victim = self.running.pop()
+            victim = self._pick_victim()
+            self.running.remove(victim)
             self._preempt(victim)
-            preempted.add(victim.request_id)
+            step.preempted.add(victim.request_id)
+            step.refund(victim.request_id)
             if victim is request:
                 return None
+
+    def _pick_victim(self) -> Request:
+        if self.policy.policy == "priority":
+            return max(self.running, key=lambda r: self._order[r.request_id])
+        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -135,7 +210,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.policy.policy == "priority":
+            self._enqueue(request)
+        else:
+            self.waiting.insert(0, request)
         logger.debug("preempted %s (recompute)", request.request_id)
 
     # ---- results -----------------------------------------------------------------------
@@ -170,3 +248,23 @@ class Scheduler:
               or request.num_tokens >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH
         return request.is_finished
+
+
+class _Step:
+    """What one `schedule()` call has decided so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[str, int] = {}  # req_id -> tokens, in batch order
+        self.cached: dict[str, CachedRequestData] = {}
+        self.new: list[NewRequestData] = []
+        self.preempted: set[str] = set()
+
+    def take(self, req_id: str, num_tokens: int) -> None:
+        self.scheduled[req_id] = num_tokens
+        self.budget -= num_tokens
+
+    def refund(self, req_id: str) -> None:
+        """A victim scheduled earlier in this step gives its tokens back."""
+        self.budget += self.scheduled.pop(req_id, 0)
+        self.cached.pop(req_id, None)
