@@ -45,9 +45,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (not every retry while it waits)."""
+        if self.enable_caching:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:

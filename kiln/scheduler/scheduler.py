@@ -161,6 +161,8 @@ class Scheduler:
             return False
         if self.kv.allocate_slots(request, num_new, computed) is None:
             return False
+        if request.num_computed_tokens == 0:
+            self.kv.record_lookup(request.num_tokens, num_computed)
         self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
