@@ -62,7 +62,8 @@ def test_mixed_prefill_and_decode_batch_with_padding(heads, kv_heads, block_size
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
         slot_mapping=torch.tensor(slots + [-1] * pad), query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens, max_query_len=13, max_seq_len=max(seq_lens))
+        seq_lens_cpu=seq_lens, max_query_len=13, max_seq_len=max(seq_lens),
+        block_size=block_size)
     before_null = cache[:, 0].clone()
     output = torch.full_like(query, float("nan"))
     backend.forward(query, key, value, cache, md, output)

@@ -86,7 +86,7 @@ def _prefill_metadata(n: int, block_size: int) -> AttentionMetadata:
         num_actual_tokens=n, num_reqs=1, query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32), block_table=table,
         slot_mapping=torch.arange(n) + block_size, query_start_loc_cpu=[0, n],
-        seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
+        seq_lens_cpu=[n], max_query_len=n, max_seq_len=n, block_size=block_size)
 
 
 def test_inductor_pieces_match_eager_logits(tiny_models, tmp_path):

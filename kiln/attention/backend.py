@@ -42,6 +42,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    block_size: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,7 +170,8 @@ class ModelRunner:
             slot_mapping=self.slot_mapping.device[:offset],
             query_start_loc_cpu=qsl[: num_reqs + 1].tolist(),
             seq_lens_cpu=seq_lens[:num_reqs].tolist(),
-            max_query_len=max(num_scheduled.values()), max_seq_len=int(seq_lens[:num_reqs].max()))
+            max_query_len=max(num_scheduled.values()), max_seq_len=int(seq_lens[:num_reqs].max()),
+            block_size=bs)
         indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
         return self.attn_backend_cls.build_metadata(common), indices, sample_ids
 

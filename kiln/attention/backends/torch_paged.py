@@ -6,10 +6,27 @@ metadata's CPU mirrors, each with a bottom-right-aligned causal mask.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The single-token rows of a step, prepared once for every layer."""
+
+    rows: list[int]  # request rows that decode
+    tokens: torch.Tensor  # [R] their query token rows
+    table: torch.Tensor  # [R, nb] block ids up to the longest context (0 = null block)
+    mask: torch.Tensor  # [R, 1, 1, nb * block_size] True where a key position is real
+
+
+@dataclass(slots=True)
+class TorchPagedMetadata(AttentionMetadata):
+    decode: DecodeBatch | None = None
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -23,9 +40,19 @@ class TorchPagedBackend(AttentionBackend):
             return f"dtype {dtype} is not supported (float32, bfloat16, float16 are)"
         return None
 
+    @classmethod
+    def build_metadata(cls, common: AttentionMetadata) -> TorchPagedMetadata:
+        qsl = common.query_start_loc_cpu
+        rows = [i for i in range(common.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        base = {f.name: getattr(common, f.name) for f in fields(AttentionMetadata)}
+        decode = _decode_batch(common, rows) if len(rows) > 1 else None
+        return TorchPagedMetadata(**base, decode=decode)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 output: torch.Tensor) -> None:
+        if not isinstance(metadata, TorchPagedMetadata):
+            metadata = self.build_metadata(metadata)
         s, n = self.spec, metadata.num_actual_tokens
         q = query[:n].view(n, s.num_heads, s.head_size)
         k = key[:n].view(n, s.num_kv_heads, s.head_size)
@@ -35,10 +62,10 @@ class TorchPagedBackend(AttentionBackend):
         out = output[:n].view(n, s.num_heads, s.head_size)
         block_size = key_cache.shape[1]
         qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        decodes = [i for i in range(metadata.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        if len(decodes) > 1:
-            self._batched_decode(q, key_cache, value_cache, metadata, decodes, out)
-        done = set(decodes) if len(decodes) > 1 else set()
+        decode = metadata.decode
+        if decode is not None:
+            self._batched_decode(q, key_cache, value_cache, decode, out)
+        done = set(decode.rows) if decode is not None else set()
         for i in range(metadata.num_reqs):
             if i in done:
                 continue
@@ -50,25 +77,27 @@ class TorchPagedBackend(AttentionBackend):
                                      s.scale).transpose(0, 1)
 
     def _batched_decode(self, q: torch.Tensor, key_cache: torch.Tensor,
-                        value_cache: torch.Tensor, md: AttentionMetadata, rows: list[int],
+                        value_cache: torch.Tensor, decode: DecodeBatch,
                         out: torch.Tensor) -> None:
-        """All single-token rows in one SDPA call: gather each row's blocks up to the
-        longest context and mask the tail (unused table entries point at block 0)."""
-        block_size = key_cache.shape[1]
-        max_len = max(md.seq_lens_cpu[i] for i in rows)
-        idx = torch.tensor(rows, device=q.device)
-        tokens = md.query_start_loc[idx].long()  # each row's single query token
-        table = md.block_table[idx, : -(-max_len // block_size)].long()  # [R, nb]
-        keys = key_cache[table].flatten(1, 2).transpose(1, 2)  # [R, kv_heads, L, hd]
-        values = value_cache[table].flatten(1, 2).transpose(1, 2)
-        length = keys.shape[2]
-        mask = (torch.arange(length, device=q.device).unsqueeze(0)
-                < md.seq_lens[idx].unsqueeze(1))[:, None, None, :]  # [R, 1, 1, L]
-        query = q[tokens].unsqueeze(2)  # [R, heads, 1, hd]
+        """All single-token rows in one SDPA call over their gathered blocks; the masked
+        tail covers shorter contexts and unused table entries (the null block)."""
+        keys = key_cache[decode.table].flatten(1, 2).transpose(1, 2)  # [R, kv_heads, L, hd]
+        values = value_cache[decode.table].flatten(1, 2).transpose(1, 2)
+        query = q[decode.tokens].unsqueeze(2)  # [R, heads, 1, hd]
         result = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=self.spec.scale,
+            query, keys, values, attn_mask=decode.mask, scale=self.spec.scale,
             enable_gqa=query.shape[1] != keys.shape[1])
-        out[tokens] = result.squeeze(2)
+        out[decode.tokens] = result.squeeze(2)
+
+
+def _decode_batch(md: AttentionMetadata, rows: list[int]) -> DecodeBatch:
+    max_len = max(md.seq_lens_cpu[i] for i in rows)
+    idx = torch.tensor(rows, device=md.block_table.device)
+    table = md.block_table[idx, : -(-max_len // md.block_size)].long()
+    length = table.shape[1] * md.block_size
+    mask = (torch.arange(length, device=idx.device).unsqueeze(0)
+            < md.seq_lens[idx].unsqueeze(1))[:, None, None, :]
+    return DecodeBatch(rows, md.query_start_loc[idx].long(), table, mask)
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
