@@ -63,6 +63,3 @@ def get_forward_context() -> ForwardContext:
                            "does this); attention needs the KV cache and metadata from it")
     return _current
 
-
-def has_forward_context() -> bool:
-    return _current is not None

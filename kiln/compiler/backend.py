@@ -14,7 +14,7 @@ from kiln.compiler.adaptors import CompilerAdaptor
 from kiln.compiler.cache import CompileCache
 from kiln.compiler.counter import compilation_counter
 from kiln.compiler.graph_io import (DirectCaller, NotSerializable, check_single_output,
-                                    checksum, dump_graph, input_recipe, load_graph)
+                                    dump_graph, input_recipe, load_graph)
 from kiln.compiler.pieces import (concrete_args, graph_signature, record_piece_args,
                                   returns_tuple, token_dim_position)
 from kiln.compiler.piecewise import PiecewiseBackend, Range
@@ -110,14 +110,14 @@ class KilnBackend:
         self.direct = DirectCaller(split_gm, self.model, recipe)
         if self.cache is not None:
             blob = pickle.dumps(record)
-            self.cache.write_blob("graph.pkl", blob, checksum(blob))
+            self.cache.write_blob("graph.pkl", blob)
 
     def load_saved(self) -> DirectCaller | None:
         """Rebuild the split graph from the cache without Dynamo, or None (then trace)."""
         if self.cache is None:
             return None
         start = time.perf_counter()
-        blob = self.cache.read_blob("graph.pkl", checksum)
+        blob = self.cache.read_blob("graph.pkl")
         if blob is None:
             return None
         try:

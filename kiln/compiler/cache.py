@@ -66,7 +66,8 @@ class CompileCache:
         if not path.exists():
             return None
         problem = verify_artifact(path)
-        if problem is None:
+        intact = problem is None
+        if intact:
             try:
                 return loader(path)
             except Exception as exc:  # a loader failure is a miss, never a crash
@@ -74,30 +75,28 @@ class CompileCache:
         logger.warning("compile cache artifact %s %s; rebuilding it", path, problem)
         compilation_counter.num_cache_repairs += 1
         with FileLock(str(self.dir / "locks" / f"{name}.lock")):
-            if verify_artifact(path) is not None or problem.startswith("failed"):
+            # Unless another process has meanwhile replaced a damaged copy with a good one.
+            if intact or verify_artifact(path) is not None:
                 shutil.rmtree(path, ignore_errors=True)
         return None
 
-    def write_blob(self, name: str, data: bytes, digest: str) -> None:
+    def write_blob(self, name: str, data: bytes) -> None:
         """A small whole-file record next to the artifacts (atomic, checksummed)."""
         path, sum_path = self.dir / name, self.dir / f"{name}.sha256"
         tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
         tmp.write_bytes(data)
         with FileLock(str(self.dir / "locks" / f"{name}.lock")):
             os.replace(tmp, path)
-            _write_atomic(sum_path, digest)
+            _write_atomic(sum_path, hashlib.sha256(data).hexdigest())
 
-    def read_blob(self, name: str, digest: Callable[[bytes], str]) -> bytes | None:
-        path, sum_path = self.dir / name, self.dir / f"{name}.sha256"
-        try:
-            with FileLock(str(self.dir / "locks" / f"{name}.lock")):
-                data, expected = path.read_bytes(), sum_path.read_text().strip()
-        except OSError:
-            return None
-        if digest(data) != expected:
-            logger.warning("compile cache record %s is corrupted; tracing again", path)
+    def read_blob(self, name: str) -> bytes | None:
+        """The record, or None when it is missing or fails its checksum."""
+        with FileLock(str(self.dir / "locks" / f"{name}.lock")):
+            data = read_verified_blob(self.dir, name)
+        if data is None and (self.dir / name).exists():
+            logger.warning("compile cache record %s is corrupted; tracing again",
+                           self.dir / name)
             compilation_counter.num_cache_repairs += 1
-            return None
         return data
 
     def save(self, name: str, build: Callable[[Path], Any]) -> Any:
@@ -140,6 +139,16 @@ def verify_artifact(artifact: Path) -> str | None:
         if _sha256(p) != digest:
             return f"has a corrupted {rel} (checksum mismatch)"
     return None
+
+
+def read_verified_blob(entry: Path, name: str) -> bytes | None:
+    """A cache entry's whole-file record if it matches its stored sha256, else None."""
+    try:
+        data = (entry / name).read_bytes()
+        expected = (entry / f"{name}.sha256").read_text().strip()
+    except OSError:
+        return None
+    return data if hashlib.sha256(data).hexdigest() == expected else None
 
 
 def _sha256(path: Path) -> str:

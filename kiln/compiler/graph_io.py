@@ -14,7 +14,6 @@ Dynamo.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import pickle
 from dataclasses import dataclass
@@ -141,6 +140,3 @@ class DirectCaller:
         out = self.split_gm(*args)
         return out[0] if isinstance(out, (tuple, list)) else out
 
-
-def checksum(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

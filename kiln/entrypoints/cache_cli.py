@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from kiln.compiler.cache import FACTORS, default_cache_root, verify_artifact
+from kiln.compiler.cache import (FACTORS, default_cache_root, read_verified_blob,
+                                verify_artifact)
 
 
 def _root(args: argparse.Namespace) -> Path:
@@ -18,15 +18,6 @@ def _root(args: argparse.Namespace) -> Path:
 
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _record_intact(entry: Path) -> bool:
-    try:
-        data, expected = (entry / "graph.pkl").read_bytes(), \
-            (entry / "graph.pkl.sha256").read_text().strip()
-    except OSError:
-        return False
-    return hashlib.sha256(data).hexdigest() == expected
 
 
 def cmd_warmup(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any]) -> int:
@@ -84,7 +75,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
               f"{len(artifacts)} artifacts {_size(entry) / 2**20:.1f} MiB")
         if args.action == "verify":
             if (entry / "graph.pkl").exists():
-                intact = _record_intact(entry)
+                intact = read_verified_blob(entry, "graph.pkl") is not None
                 bad += not intact
                 print(f"  {'ok ' if intact else 'BAD'} graph.pkl")
             for artifact in artifacts:

@@ -7,7 +7,6 @@ module's `weight_loader`.
 """
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 from torch import nn
@@ -155,5 +154,3 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(fragment, fused), shard
         return name, None
 
-
-ModelFactory = Callable[[ModelConfig], nn.Module]
