@@ -1,38 +1,138 @@
-"""Sampling on a real (tiny) model: seeds, top-k support, greedy rows mixed with random."""
+"""The sampler on known logits (statistics over many seeded draws) and on a real tiny model
+(seeds give the same tokens alone or in a batch)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import pytest
 import torch
 
 from conftest import random_prompts
 from kiln import LLM, SamplingParams
 from kiln.sampling import Sampler, SamplingMetadata
+from kiln.sampling.sampler import apply_penalties
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+DRAWS = 6000
+
+
+@dataclass
+class Row:
+    """A request state as the runner keeps it (the fields the metadata builder reads)."""
+
+    sampling_params: SamplingParams
+    token_ids: list[int] = field(default_factory=lambda: [0, 1])
+    num_prompt_tokens: int = 2
+    eos_token_ids: tuple[int, ...] = (5,)
+    generator: torch.Generator | None = None
+
+
+def frequencies(params: SamplingParams, logits: torch.Tensor = LOGITS) -> torch.Tensor:
+    """Sample DRAWS rows of the same logits in one batch; return token frequencies."""
+    torch.manual_seed(0)
+    md = SamplingMetadata.build([Row(params)] * DRAWS, torch.device("cpu"), logits.numel())
+    tokens = Sampler()(logits.expand(DRAWS, -1).clone(), md).sampled
+    return torch.bincount(tokens, minlength=logits.numel()).float() / DRAWS
+
+
+def expected(probs: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    out = torch.zeros_like(probs)
+    out[keep] = probs[keep] / probs[keep].sum()
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_frequencies_match_softmax(temperature):
+    freq = frequencies(SamplingParams(temperature=temperature))
+    assert torch.allclose(freq, (LOGITS / temperature).softmax(-1), atol=0.02)
+
+
+def test_top_k_support_and_frequencies():
+    freq = frequencies(SamplingParams(top_k=3))
+    assert freq[3:].sum() == 0
+    assert torch.allclose(freq, expected(LOGITS.softmax(-1), [0, 1, 2]), atol=0.02)
+
+
+def test_top_p_keeps_the_smallest_nucleus_reaching_p():
+    probs = LOGITS.softmax(-1)  # 0.44, 0.27, 0.16, 0.06, ...
+    p = float(probs[:2].sum()) + 0.01  # needs the third token to reach p
+    freq = frequencies(SamplingParams(top_p=p))
+    assert freq[3:].sum() == 0 and freq[2] > 0
+    assert torch.allclose(freq, expected(probs, [0, 1, 2]), atol=0.02)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_after_temperature():
+    probs = (LOGITS / 2.0).softmax(-1)
+    min_p = 0.5  # keeps tokens with p >= 0.5 * p_max: at T=2 that is tokens 0..2
+    keep = [i for i in range(6) if probs[i] >= min_p * probs.max()]
+    assert keep == [0, 1, 2]
+    freq = frequencies(SamplingParams(temperature=2.0, min_p=min_p))
+    assert freq[3:].sum() == 0
+    assert torch.allclose(freq, expected(probs, keep), atol=0.02)
+
+
+def test_greedy_and_random_rows_mix_in_one_batch():
+    rows = [Row(SamplingParams(temperature=0)), Row(SamplingParams(top_k=2))] * 200
+    md = SamplingMetadata.build(rows, torch.device("cpu"), 6)
+    tokens = Sampler()(LOGITS.expand(len(rows), -1).clone(), md).sampled
+    assert (tokens[0::2] == 0).all()
+    assert set(tokens[1::2].tolist()) == {0, 1}
+
+
+def test_penalties_change_logits_exactly_as_specified():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    prompt_mask = torch.tensor([[True, True, False, False]])
+    counts = torch.tensor([[0.0, 0.0, 2.0, 1.0]])
+    md = SamplingMetadata.build([Row(SamplingParams(repetition_penalty=2.0,
+                                                    frequency_penalty=0.5,
+                                                    presence_penalty=0.25),
+                                     token_ids=[0, 1, 2, 2, 3])],
+                                torch.device("cpu"), 4)
+    assert torch.equal(md.penalties.prompt_mask, prompt_mask)
+    assert torch.equal(md.penalties.output_counts, counts)
+    got = apply_penalties(logits, md.penalties)
+    # repetition: positive seen logits / 2, negative seen ones x 2; then -0.5*count, -0.25.
+    want = torch.tensor([[2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 * 2 - 0.25, 3.0 / 2 - 0.5 - 0.25]])
+    assert torch.allclose(got, want)
+
+
+def test_logit_bias_and_min_tokens_change_the_greedy_choice():
+    logits = LOGITS.clone().unsqueeze(0)
+    biased = Row(SamplingParams(temperature=0, logit_bias={4: 10.0}))
+    md = SamplingMetadata.build([biased], torch.device("cpu"), 6)
+    assert Sampler()(logits, md).sampled.item() == 4
+    assert torch.equal(logits, LOGITS.unsqueeze(0))  # the caller's logits are untouched
+    eos_first = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 9.0]])  # EOS (5) is the argmax
+    short = Row(SamplingParams(temperature=0, min_tokens=3), token_ids=[0, 1, 7])
+    md = SamplingMetadata.build([short], torch.device("cpu"), 6)
+    assert Sampler()(eos_first, md).sampled.item() == 1
+    done = Row(SamplingParams(temperature=0, min_tokens=1), token_ids=[0, 1, 7])
+    md = SamplingMetadata.build([done], torch.device("cpu"), 6)
+    assert Sampler()(eos_first, md).sampled.item() == 5
+
+
+def test_logprobs_come_from_raw_logits_with_ranks():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    rows = [Row(SamplingParams(temperature=0, logprobs=2, repetition_penalty=2.0)),
+            Row(SamplingParams(temperature=3.0, logit_bias={0: 50.0}, logprobs=0))]
+    out = Sampler()(logits, SamplingMetadata.build(rows, torch.device("cpu"), 4))
+    raw = logits.log_softmax(-1)
+    lp = out.logprobs
+    # The penalty and the bias decided the tokens; the logprobs ignore both.
+    assert out.sampled.tolist() == [2, 0]
+    assert torch.allclose(lp.logprobs[:, 0], raw[[0, 1], out.sampled])
+    assert lp.token_ids[0, 1:].tolist() == [1, 2] and lp.ranks.tolist() == [2, 3]
+    assert torch.allclose(lp.logprobs[0, 1:], raw[0, [1, 2]])
 
 
 def test_seed_gives_same_tokens_alone_or_in_a_batch(tiny_models):
     llm = LLM(str(tiny_models["llama"][0]), progress=False, max_model_len=128)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(8, [4, 11, 23, 30])]
-    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01, seed=1234, max_tokens=16,
+                            ignore_eos=True, repetition_penalty=1.2)
     alone = llm.generate(prompts[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)] * 7
     batch = llm.generate(prompts, [seeded] + others, use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
-    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
-    assert llm.generate(prompts[0], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
-
-
-def test_sampler_top_k_support_and_greedy_rows():
-    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]] * 3)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=5.0, top_k=2),
-              SamplingParams(temperature=5.0, top_p=0.5)]
-    counts = torch.zeros(3, 5)
-    sampler = Sampler()
-    for i in range(400):
-        gens = {1: torch.Generator().manual_seed(i), 2: torch.Generator().manual_seed(10_000 + i)}
-        md = SamplingMetadata.build(params, gens, torch.device("cpu"))
-        for row, tok in enumerate(sampler(logits, md).tolist()):
-            counts[row, tok] += 1
-    assert counts[0, 1] == 400  # greedy row: always the argmax
-    assert counts[1, [0, 3, 4]].sum() == 0 and counts[1, 1] > 100 and counts[1, 2] > 100
-    # top_p=0.5 at temperature 5: tokens 1 and 2 carry ~0.25 each, so the nucleus holds
-    # tokens 1, 2 (0.5 reached only after the second).
-    assert counts[2, [0, 3, 4]].sum() == 0 and counts[2, 1] > 100 and counts[2, 2] > 100
+    other = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    assert llm.generate(prompts[0], other, use_tqdm=False)[0].outputs[0].token_ids != alone

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.detokenizer import IncrementalDetokenizer
-from kiln.engine.outputs import CompletionOutput, RequestOutput
+from kiln.engine.detokenizer import token_namer
+from kiln.engine.output_processor import OutputProcessor
+from kiln.engine.outputs import RequestOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.setup import (check_kv_capacity, load_tokenizer, resolve_dtype,
                                resolve_max_model_len)
@@ -22,14 +22,6 @@ from kiln.scheduler import (BlockHasher, KVCacheManager, Scheduler, SchedulerPol
                             SchedulerStats)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Tracked:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
-    token_ids: list[int]
 
 
 class LLMEngine:
@@ -64,7 +56,7 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, policy=policy)
         self._last_stats_log = time.monotonic()
-        self._tracked: dict[str, _Tracked] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, token_namer(self.tokenizer))
         self.load_time_s = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d", self.load_time_s,
                     mc.architecture, self.dtype, self.max_model_len)
@@ -86,15 +78,16 @@ class LLMEngine:
                     params: SamplingParams | None = None, *, priority: int = 0,
                     cache_salt: str | None = None) -> None:
         params = params or SamplingParams()
+        if request_id in self.output_processor.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids)
+        self._validate_token_ids(params)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        request = Request(request_id, ids, params, eos, priority=priority,
-                          cache_salt=cache_salt, block_hasher=self._hasher)
-        self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(
-            text, ids, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-            [])
+        for rid, child in self.output_processor.add(request_id, text, ids, params):
+            self.scheduler.add_request(Request(rid, ids, child, eos, priority=priority,
+                                               cache_salt=cache_salt,
+                                               block_hasher=self._hasher))
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -109,11 +102,22 @@ class LLMEngine:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                              f"[0, {vocab})")
 
+    def _validate_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or {}))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {vocab})")
+
     def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort user requests (every sample of an n>1 request); unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
-            self._tracked.pop(rid, None)
+            samples = self.output_processor.sample_ids(rid)
+            self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -134,22 +138,13 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return an output (cumulative) for every request that
-        got new tokens."""
+        """Run one scheduler step; return at most one output per user request that got new
+        tokens, shaped by its `output_kind` (cumulative, delta, or final only)."""
         so = self.scheduler.schedule()
         runner_out = self.runner.execute(so)
         self._maybe_log_stats()
-        outputs = []
-        for core in self.scheduler.update_from_output(so, runner_out):
-            tracked = self._tracked[core.req_id]
-            tracked.token_ids.extend(core.new_token_ids)
-            tracked.detokenizer.update(core.new_token_ids)
-            finished = core.finish_reason is not None
-            completion = CompletionOutput(0, tracked.detokenizer.text, list(tracked.token_ids),
-                                          finish_reason=core.finish_reason,
-                                          stop_reason=core.stop_reason)
-            outputs.append(RequestOutput(core.req_id, tracked.prompt, tracked.prompt_token_ids,
-                                         [completion], finished))
-            if finished:
-                del self._tracked[core.req_id]
+        core_outputs = self.scheduler.update_from_output(so, runner_out)
+        outputs, stopped = self.output_processor.process(core_outputs, runner_out)
+        if stopped:  # finished by a stop string: free their blocks now
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

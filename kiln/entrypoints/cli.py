@@ -47,9 +47,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when this text appears (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("-n", type=int, default=1, help="samples per prompt")
     chat = sub.add_parser("chat", help="multi-turn chat at a prompt")
     chat.add_argument("--system", default=None, help="system prompt")
     warm = sub.add_parser("warmup", help="compile (or load) everything for a configuration "
@@ -92,26 +102,63 @@ def _make_llm(args: argparse.Namespace) -> Any:
 def _params(args: argparse.Namespace) -> Any:
     from kiln.sampling import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed)
+    return SamplingParams(
+        n=getattr(args, "n", 1), temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
+        ignore_eos=args.ignore_eos, seed=args.seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = _params(args)  # bad sampling values fail before the model loads
     llm = _make_llm(args)
     prompts: list[Any] = args.prompts
     if args.chat:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, _params(args), use_tqdm=len(prompts) > 1)
+    if args.stream:
+        tokens = _stream(llm, args.prompts, prompts, params)
+    else:
+        tokens = _print_all(args.prompts, llm.generate(prompts, params,
+                                                       use_tqdm=len(prompts) > 1))
     elapsed = time.perf_counter() - start
-    tokens = 0
-    for prompt, out in zip(args.prompts, outputs):
-        print(f"\n>>> {prompt}")
-        print(out.error and f"[error] {out.error}" or out.outputs[0].text.strip())
-        tokens += len(out.outputs[0].token_ids)
     print(f"\nload {llm.engine.load_time_s:.1f} s | {tokens} tokens in {elapsed:.2f} s | "
           f"{tokens / elapsed:.1f} tok/s")
     return 0
+
+
+def _print_all(shown: list[str], outputs: list[Any]) -> int:
+    tokens = 0
+    for prompt, out in zip(shown, outputs):
+        print(f"\n>>> {prompt}")
+        if out.error:
+            print(f"[error] {out.error}")
+        for c in out.outputs:
+            print((f"[{c.index}] " if len(out.outputs) > 1 else "") + c.text.strip())
+            tokens += len(c.token_ids)
+    return tokens
+
+
+def _stream(llm: Any, shown: list[str], prompts: list[Any], params: Any) -> int:
+    """Print each request's text as it arrives. Streams of several prompts or samples
+    interleave, so each burst of text is labelled when its source changes."""
+    tokens, current = 0, None
+    labels = {str(i): p for i, p in enumerate(shown)}
+    for out in llm.generate_stream(prompts, params):
+        for c in out.outputs:
+            key = (out.request_id, c.index)
+            if key != current and (len(shown) > 1 or params.n > 1 or current is None):
+                label = labels.get(out.request_id, out.request_id)
+                suffix = f" [{c.index}]" if params.n > 1 else ""
+                print(f"\n>>> {label}{suffix}", flush=True)
+                current = key
+            print(c.text, end="", flush=True)
+            tokens += len(c.token_ids)
+        if out.error:
+            print(f"[error] {out.error}", flush=True)
+    print()
+    return tokens
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -1,16 +1,17 @@
 """`LLM`: the offline Python API, shaped like vLLM's."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from tqdm import tqdm
 
 from kiln.config import EngineConfig
 from kiln.engine import CompletionOutput, LLMEngine, RequestOutput
-from kiln.sampling import SamplingParams
+from kiln.sampling import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,26 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order. A prompt that
         is rejected (too long, empty) gets an output with `error` set and
         finish_reason 'error'; the others run normally."""
+        order, results = self._add(prompts, sampling_params, priority,
+                                   RequestOutputKind.FINAL_ONLY)
+        self._run(results, use_tqdm, total=len(order))
+        return [results[rid] for rid in order]
+
+    def generate_stream(self, prompts: Prompt | Sequence[Prompt],
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield delta outputs as the engine steps: each carries only the text, tokens and
+        logprobs new since that request's previous output (concatenated, they are the
+        final result). Rejected prompts are yielded first, with `error` set."""
+        order, results = self._add(prompts, sampling_params, None, RequestOutputKind.DELTA)
+        yield from results.values()
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+    def _add(self, prompts: Prompt | Sequence[Prompt],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             priority: Sequence[int] | None, kind: RequestOutputKind
+             ) -> tuple[list[str], dict[str, RequestOutput]]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast(sampling_params, len(prompts))
@@ -54,12 +75,12 @@ class LLM:
             rid = str(next(self._ids))
             order.append(rid)
             try:
-                self.engine.add_request(rid, prompt, p, priority=prio)
+                self.engine.add_request(rid, prompt, dataclasses.replace(p, output_kind=kind),
+                                        priority=prio)
             except ValueError as exc:
                 logger.warning("request %s rejected: %s", rid, exc)
                 results[rid] = _error_output(rid, prompt, str(exc))
-        self._run(results, use_tqdm, total=len(order))
-        return [results[rid] for rid in order]
+        return order, results
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -84,11 +105,10 @@ class LLM:
                    disable=not use_tqdm)
         generated, start = 0, time.perf_counter()
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                generated += 1 if out.outputs[0].token_ids else 0
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
+            for out in self.engine.step():  # final outputs only
+                generated += sum(len(c.token_ids) for c in out.outputs)
+                results[out.request_id] = out
+                bar.update(1)
             bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s",
                                 refresh=False)
         bar.close()

@@ -22,6 +22,7 @@ from kiln.forward_context import ForwardContext, set_forward_context
 from kiln.models import ModelConfig, build_model
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.kv_cache import allocate_kv_cache, num_blocks_for
+from kiln.runner.prompt_logprobs import compute_prompt_logprobs
 from kiln.sampling import Sampler, SamplingMetadata, SamplingParams
 from kiln.scheduler import FullAttentionSpec, ModelRunnerOutput, SchedulerOutput
 
@@ -36,6 +37,8 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    num_prompt_tokens: int
+    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -112,7 +115,8 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), list(new.block_ids),
-                new.num_computed_tokens, params, gen)
+                new.num_computed_tokens, params, gen, new.num_prompt_tokens,
+                new.eos_token_ids)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -131,13 +135,15 @@ class ModelRunner:
         ctx = ForwardContext(metadata, self.kv_caches, self.attn_backends)
         with set_forward_context(ctx):
             hidden = self.forward(self.input_ids.device[:n], self.positions.device[:n])
+        out = ModelRunnerOutput(req_ids, [])
         sampled: dict[str, list[int]] = {}
         if sample_ids:
-            tokens = self._sample(hidden[logits_indices], sample_ids)
-            for rid, token in zip(sample_ids, tokens):
-                self.requests[rid].token_ids.append(token)
-                sampled[rid] = [token]
-        return ModelRunnerOutput(req_ids, [sampled.get(rid, []) for rid in req_ids])
+            sampled = self._sample(hidden[logits_indices], sample_ids, out)
+        out.sampled_token_ids = [sampled.get(rid, []) for rid in req_ids]
+        out.prompt_logprobs = compute_prompt_logprobs(
+            self.model.compute_logits, hidden, [self.requests[rid] for rid in req_ids],
+            so.num_scheduled_tokens, self.query_start_loc.np)
+        return out
 
     def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]
                         ) -> tuple[AttentionMetadata, torch.Tensor, list[str]]:
@@ -175,10 +181,22 @@ class ModelRunner:
         indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
         return self.attn_backend_cls.build_metadata(common), indices, sample_ids
 
-    def _sample(self, hidden: torch.Tensor, sample_ids: list[str]) -> list[int]:
+    def _sample(self, hidden: torch.Tensor, sample_ids: list[str],
+                out: ModelRunnerOutput) -> dict[str, list[int]]:
+        """Sample one token per row, append it to the request's state and put its logprobs
+        (when asked) into `out`. One host transfer for the tokens, one for the logprobs."""
         states = [self.requests[rid] for rid in sample_ids]
-        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        md = SamplingMetadata.build([s.sampling_params for s in states], generators,
-                                    self.device)
+        md = SamplingMetadata.build(states, self.device, self.config.vocab_size)
         logits = self.model.compute_logits(hidden)  # [R, vocab]
-        return self.sampler(logits, md).tolist()
+        result = self.sampler(logits, md)
+        tokens = result.sampled.tolist()
+        if result.logprobs is not None:
+            lists = result.logprobs.tolists()
+            for row, state in enumerate(states):
+                if state.sampling_params.logprobs is not None:
+                    out.logprobs[state.req_id] = lists.slice(row, row + 1)
+        sampled: dict[str, list[int]] = {}
+        for state, token in zip(states, tokens):
+            state.token_ids.append(token)
+            sampled[state.req_id] = [token]
+        return sampled

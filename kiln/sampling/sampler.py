@@ -1,30 +1,82 @@
-"""Sampler: logits [R, V] -> token ids [R], greedy and random rows mixed in one batch.
+"""Sampler: logits [R, V] -> token ids [R] (and logprobs), all rows in one batch.
 
-Order: float32 -> greedy result -> temperature -> top-k/top-p -> sample. Random rows use
-the exponential-race trick (argmax of p / Exp(1)), drawing each seeded row's noise from
-its own generator so its tokens do not depend on what else is in the batch.
+The order is vLLM v1's, and order is semantics:
+  raw logprobs snapshot -> float32 -> logit bias / min_tokens bans (they change the argmax,
+  so they come before greedy) -> penalties -> greedy result -> temperature -> min_p ->
+  top-k/top-p -> sample -> greedy rows keep the greedy token.
+Penalties come before temperature so a penalty means the same at every temperature.
+Random rows use the exponential race (argmax of p / Exp(1)); each seeded row draws its
+noise from its own generator, so its tokens do not depend on what else is in the batch.
+The sampler is stateless: everything per step is in `SamplingMetadata`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kiln.sampling.metadata import SamplingMetadata
+from kiln.sampling.logprobs import LogprobsTensors, gather_logprobs
+from kiln.sampling.metadata import Penalties, SamplingMetadata
 from kiln.sampling.params import _GREEDY_EPS
 
 
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled: torch.Tensor  # [R] int64
+    logprobs: LogprobsTensors | None  # column 0 = the sampled token
+
+
 class Sampler:
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        if md.all_greedy:
-            return greedy
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+        sparse = [s for s in (md.logit_bias, md.min_tokens_mask) if s is not None]
+        if sparse:
+            logits = logits.clone()  # the caller's logits stay as they were
+            for entries in sparse:
+                logits.index_put_((entries.rows, entries.tokens), entries.values,
+                                  accumulate=True)
+        if md.penalties is not None:
+            logits = apply_penalties(logits, md.penalties)
+        sampled = logits.argmax(dim=-1)
+        if not md.all_greedy:
+            sampled = self._sample_random(logits, md, greedy=sampled)
+        lp = None
+        if raw_logprobs is not None:
+            lp = gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
+        return SamplerOutput(sampled, lp)
+
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata,
+                       greedy: torch.Tensor) -> torch.Tensor:
         is_greedy = md.temperature < _GREEDY_EPS
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temperature.unsqueeze(1)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = logits.softmax(dim=-1)
         sampled = (probs / _exponential_noise(probs, md.generators)).argmax(dim=-1)
         return torch.where(is_greedy, greedy, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """Repetition (prompt and output tokens): positive logits divided by the penalty,
+    negative ones multiplied. Frequency: minus penalty x count in the output. Presence:
+    minus penalty once for any token already in the output."""
+    seen = p.prompt_mask | (p.output_counts > 0)
+    rep = torch.where(seen, p.repetition.unsqueeze(1), torch.ones_like(logits))
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - p.frequency.unsqueeze(1) * p.output_counts
+    return logits - p.presence.unsqueeze(1) * (p.output_counts > 0).float()
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

@@ -35,8 +35,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `request`, in blocks, and its token count. Capped
-        at num_tokens - 1: the last token is always computed, so logits exist."""
-        if not self.enable_caching:
+        at num_tokens - 1: the last token is always computed, so logits exist. A request
+        that wants prompt logprobs computes its whole prompt (a hit has no logits)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

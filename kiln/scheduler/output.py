@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.sampling.logprobs import LogprobsLists
 from kiln.sampling.params import SamplingParams
 
 
@@ -16,6 +17,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    num_prompt_tokens: int
+    eos_token_ids: tuple[int, ...]  # banned while the output is shorter than min_tokens
 
 
 @dataclass(slots=True)
@@ -49,3 +52,7 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
+    # req_id -> logprobs of this step's sampled token(s), for requests that asked.
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # req_id -> (first prompt position covered, rows): prompt logprobs of this chunk.
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)

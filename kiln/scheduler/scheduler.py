@@ -169,7 +169,8 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         step.new.append(NewRequestData(request.request_id, list(request.all_token_ids),
                                        self.kv.get_block_ids(request.request_id),
-                                       num_computed, request.sampling_params))
+                                       num_computed, request.sampling_params,
+                                       request.num_prompt_tokens, request.eos_token_ids))
         step.take(request.request_id, num_new)
         return True
 
@@ -241,6 +242,9 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> bool:
         params, last = request.sampling_params, request.output_token_ids[-1]
+        short = request.num_output_tokens < params.min_tokens  # the sampler bans stops then
+        if short and request.num_tokens < self.max_model_len:
+            return False
         if not params.ignore_eos and last in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
         elif last in params.stop_token_ids:
