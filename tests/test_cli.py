@@ -14,11 +14,11 @@ def kiln(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_generate_with_chat_template_answers(smollm2_dir):
+def test_generate_streams_with_chat_template(smollm2_dir):
     res = kiln("generate", "--chat", "What is the capital of France?", "--max-tokens", "16",
-               "-O0")
+               "-O0", "--stream", "--stop", "\n\n")
     assert res.returncode == 0, res.stderr
-    assert "Paris" in res.stdout
+    assert ">>> What is the capital of France?" in res.stdout and "Paris" in res.stdout
     assert "tok/s" in res.stdout.splitlines()[-1]
 
 
