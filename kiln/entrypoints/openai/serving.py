@@ -23,7 +23,7 @@ from kiln.entrypoints.openai.errors import APIError, from_value_error
 from kiln.sampling import SamplingParams
 
 T = TypeVar("T")
-DISCONNECT_POLL_S = 0.5
+DISCONNECT_POLL_S = 0.2  # how fast a vanished non-streaming client is noticed
 
 
 @dataclass(slots=True)
