@@ -7,7 +7,7 @@ it and one exception handler renders it. A request that fails never touches the 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Collection
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
@@ -17,8 +17,9 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           500: "server_error", 503: "server_error"}
 # Union members that pydantic appends to an error location: not field names.
 _UNION_TAG = re.compile(r"\[|^(str|int|float|bool|dict|list|none)$")
-# SamplingParams' errors start with "field=value": the field is the parameter at fault.
-_FIELD_PREFIX = re.compile(r"^(\w+)=")
+# SamplingParams' errors start with the field ("max_tokens=-1 must ...", "stop contains
+# ...", "logit_bias[...]"): that field is the parameter at fault.
+_FIELD_PREFIX = re.compile(r"^(\w+)[=\[ ]")
 
 
 class APIError(Exception):
@@ -57,12 +58,14 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return bad_request(f"{param}: {err['msg']} (got {_short(err.get('input'))}){more}", param)
 
 
-def from_value_error(exc: ValueError, rename: dict[str, str] | None = None) -> APIError:
+def from_value_error(exc: ValueError, fields: Collection[str],
+                     rename: dict[str, str] | None = None) -> APIError:
     """A ValueError from SamplingParams or the engine: the message already names the field
-    and the fix; `rename` maps kiln's field name back to the request's."""
+    and the fix. A message that starts with one of `fields` blames that parameter;
+    `rename` maps kiln's field name back to the request's."""
     message = str(exc)
     match = _FIELD_PREFIX.match(message)
-    param = match.group(1) if match else None
+    param = match.group(1) if match and match.group(1) in fields else None
     if param is not None and rename:
         param = rename.get(param, param)
     return bad_request(message, param)

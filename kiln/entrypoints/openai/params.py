@@ -28,9 +28,13 @@ _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty
 _MAX_N = 128  # a cap on fan-out per request, so one request cannot take every sequence slot
 
 
+def sampling_fields() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def supports(field_name: str) -> bool:
     """Whether this engine's SamplingParams has the field (some arrive with later work)."""
-    return field_name in {f.name for f in dataclasses.fields(SamplingParams)}
+    return field_name in sampling_fields()
 
 
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
@@ -59,8 +63,9 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
-        raise from_value_error(exc, {"max_tokens": max_name,
-                                     "logprobs": "top_logprobs" if chat else "logprobs"})
+        raise from_value_error(exc, sampling_fields(),
+                               {"max_tokens": max_name,
+                                "logprobs": "top_logprobs" if chat else "logprobs"}) from None
 
 
 def _max_tokens(requested: int | None, name: str, prompt_len: int, max_model_len: int) -> int:

@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from kiln.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.entrypoints.openai.errors import APIError, from_value_error
+from kiln.entrypoints.openai.params import sampling_fields
 from kiln.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -53,7 +54,8 @@ async def start_requests(ctx: ServingContext, base_id: str, prompts: list[dict[s
             streams.append(await ctx.engine.add_request(f"{base_id}-{i}", prompt, p))
     except ValueError as exc:
         _abort(streams)
-        error = from_value_error(exc)
+        # The engine's own checks: the prompt, or a token id in a sampling field.
+        error = from_value_error(exc, sampling_fields())
         error.param = error.param or param
         raise error from None
     except EngineDeadError as exc:
