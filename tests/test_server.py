@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_utils import (API_KEY, ENGINE_KWARGS, MODEL_NAME, make_tiny_chat_model,
                           run_load, start_server, stop_server, wait_ready)
 
@@ -75,6 +76,11 @@ def test_startup_models_health_metrics(env):
     assert "start-up: engine" in log and "start-up: warm-up request" in log
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    # The exposition parses as Prometheus text, and every promised family is there.
+    text = httpx.get(f"{server.base_url}/metrics").text
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert {"kiln:request_success", "kiln:time_to_first_token_seconds",
+            "kiln:inter_token_latency_seconds", "kiln:kv_cache_usage_perc"} <= families
     m = server.metrics()
     for name in ("kiln:num_requests_running", "kiln:num_requests_waiting",
                  "kiln:kv_cache_usage_perc", "kiln:prefix_cache_hit_rate",
@@ -103,6 +109,9 @@ def test_completion_greedy_equals_llm_generate(env):
     ids = client.completions.create(model=MODEL_NAME, prompt=expected[0].prompt_token_ids,
                                     max_tokens=12, temperature=0)
     assert ids.choices[0].text == expected[0].outputs[0].text
+    echo = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12,
+                                     temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPTS[0] + expected[0].outputs[0].text
 
 
 def test_chat_greedy_equals_llm_chat(env):

@@ -73,3 +73,15 @@ def test_delta_from_cumulative_outputs():
     assert d.outputs[0].text == "!" and d.outputs[0].finish_reason == "stop"
     d, _ = _delta(out("Hello!", [5, 6, 7], "stop"), sent)  # a finish is reported once
     assert d.outputs == []
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "a", "--model", "b"], "model given twice"),
+    (["serve", "--port", "70000"], "port=70000"),
+    (["serve", "--max-request-body-bytes", "lots"], "max_request_body_bytes='lots'"),
+])
+def test_serve_flags_fail_before_loading(argv, words, capsys):
+    from kiln.entrypoints.cli import main
+
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
