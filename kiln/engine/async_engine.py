@@ -86,6 +86,7 @@ class _Add:
     params: SamplingParams
     stream: RequestStream
     accepted: asyncio.Future
+    arrival: float  # time.monotonic() when the caller asked: TTFT includes queueing
     priority: int = 0
 
 
@@ -155,7 +156,8 @@ class AsyncLLMEngine:
         assert self._loop is not None
         stream = RequestStream(request_id, self)
         accepted = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, stream, accepted, priority))
+        self._commands.put(_Add(request_id, prompt, params, stream, accepted,
+                                time.monotonic(), priority))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -216,7 +218,7 @@ class AsyncLLMEngine:
         except ValueError as exc:  # the request fails alone
             self._call(_resolve, cmd.accepted, exc)
             return
-        self._progress[cmd.request_id] = _Progress(cmd.stream, time.monotonic())
+        self._progress[cmd.request_id] = _Progress(cmd.stream, cmd.arrival)
         self._call(_resolve, cmd.accepted, None)
 
     def _abort(self, request_id: str) -> None:

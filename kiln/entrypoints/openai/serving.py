@@ -47,24 +47,25 @@ def new_id(prefix: str) -> str:
 
 async def start_requests(ctx: ServingContext, base_id: str, prompts: list[dict[str, Any]],
                          params: list[SamplingParams], param: str) -> list[RequestStream]:
-    """Add one engine request per prompt; all or none (a rejected one aborts the rest)."""
-    streams: list[RequestStream] = []
-    try:
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            streams.append(await ctx.engine.add_request(f"{base_id}-{i}", prompt, p))
-    except ValueError as exc:
-        _abort(streams)
+    """Add one engine request per prompt; all or none (a rejected one aborts the rest).
+    All adds are queued before any is awaited, so a batch costs one engine iteration."""
+    results = await asyncio.gather(
+        *(ctx.engine.add_request(f"{base_id}-{i}", prompt, p)
+          for i, (prompt, p) in enumerate(zip(prompts, params))), return_exceptions=True)
+    streams = [r for r in results if isinstance(r, RequestStream)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if not errors:
+        return streams
+    _abort(streams)
+    exc = errors[0]
+    if isinstance(exc, ValueError):
         # The engine's own checks: the prompt, or a token id in a sampling field.
         error = from_value_error(exc, sampling_fields())
         error.param = error.param or param
         raise error from None
-    except EngineDeadError as exc:
-        _abort(streams)
+    if isinstance(exc, EngineDeadError):
         raise APIError(503, f"the engine is not available: {exc}") from None
-    except BaseException:
-        _abort(streams)
-        raise
-    return streams
+    raise exc
 
 
 def _abort(streams: list[RequestStream]) -> None:
