@@ -12,9 +12,6 @@ from typing import Any, Collection
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-          404: "invalid_request_error", 413: "invalid_request_error",
-          500: "server_error", 503: "server_error"}
 # Union members that pydantic appends to an error location: not field names.
 _UNION_TAG = re.compile(r"\[|^(str|int|float|bool|dict|list|none)$")
 # SamplingParams' errors start with the field ("max_tokens=-1 must ...", "stop contains
@@ -32,8 +29,9 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code}}
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
