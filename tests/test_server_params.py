@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kiln.engine.async_engine import _delta
+from kiln.engine.output_delta import to_delta
 from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.entrypoints.openai.errors import APIError, from_validation_error
 from kiln.entrypoints.openai.params import to_sampling_params
@@ -63,15 +63,15 @@ def test_delta_from_cumulative_outputs():
                                                                finish_reason=finish)],
                              finish is not None)
 
-    d, n = _delta(out("He", [5]), sent)
+    d, n = to_delta(out("He", [5]), sent)
     assert (d.outputs[0].text, d.outputs[0].token_ids, n) == ("He", [5], 1)
-    d, n = _delta(out("Hello", [5, 6]), sent)
+    d, n = to_delta(out("Hello", [5, 6]), sent)
     assert (d.outputs[0].text, d.outputs[0].token_ids, n) == ("llo", [6], 1)
-    d, n = _delta(out("Hello", [5, 6]), sent)  # nothing new: left out
+    d, n = to_delta(out("Hello", [5, 6]), sent)  # nothing new: left out
     assert d.outputs == [] and n == 0
-    d, n = _delta(out("Hello!", [5, 6, 7], "stop"), sent)
+    d, n = to_delta(out("Hello!", [5, 6, 7], "stop"), sent)
     assert d.outputs[0].text == "!" and d.outputs[0].finish_reason == "stop"
-    d, _ = _delta(out("Hello!", [5, 6, 7], "stop"), sent)  # a finish is reported once
+    d, _ = to_delta(out("Hello!", [5, 6, 7], "stop"), sent)  # a finish is reported once
     assert d.outputs == []
 
 

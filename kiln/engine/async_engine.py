@@ -7,16 +7,15 @@ queue (add, abort, stop); the engine thread talks back only through
 `loop.call_soon_threadsafe`. The torch work inside `step()` releases the GIL, so the event
 loop keeps serving HTTP while the model runs.
 
-Output contract: a stream yields DELTA outputs whatever the engine's output kind: each
-`RequestOutput` carries only the completions that changed this step, and their `text`,
-`token_ids` and `logprobs` hold just the new part. The engine is asked for its default
-(cumulative) outputs and the difference is taken here, so this works with engines that
-have no `output_kind` as well as with those that do.
+Output contract: a stream yields DELTA outputs: each `RequestOutput` carries only the
+completions that changed this step, and their `text`, `token_ids` and `logprobs` hold
+just the new part. Requests run with the engine's default (cumulative) output kind and
+the difference is taken here (`output_delta.py`), one place for streaming and metrics
+alike; this works with engines that have no `output_kind` as well as with those that do.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -25,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.outputs import CompletionOutput, RequestOutput
+from kiln.engine.output_delta import SentState, to_delta
+from kiln.engine.outputs import RequestOutput
 from kiln.sampling import SamplingParams
 from kiln.scheduler import SchedulerStats
 
@@ -96,14 +96,8 @@ class _Abort:
 
 
 _STOP = object()
-
-
-@dataclass(slots=True)
-class _Sent:
-    chars: int = 0
-    tokens: int = 0
-    logprobs: int = 0
-    finished: bool = False
+# The default output kind, where the engine has the field at all.
+_CUMULATIVE = getattr(SamplingParams(), "output_kind", None)
 
 
 @dataclass(slots=True)
@@ -113,7 +107,7 @@ class _Progress:
     stream: RequestStream
     arrival: float
     # completion index -> what was already sent of it
-    sent: dict[int, _Sent] = field(default_factory=dict)
+    sent: dict[int, SentState] = field(default_factory=dict)
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_finished: int = 0
@@ -150,6 +144,9 @@ class AsyncLLMEngine:
         """Queue a request; return its stream once the engine accepted it. A bad request
         raises `ValueError` here (nothing else is affected); a dead engine raises
         `EngineDeadError`."""
+        if getattr(params, "output_kind", None) not in (None, _CUMULATIVE):
+            raise ValueError("output_kind: AsyncLLMEngine streams deltas itself; leave it "
+                             "at RequestOutputKind.CUMULATIVE (the default)")
         self.start()
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error}")
@@ -234,7 +231,7 @@ class AsyncLLMEngine:
             progress = self._progress.get(out.request_id)
             if progress is None:
                 continue  # aborted in the meantime
-            delta, num_new = _delta(out, progress.sent)
+            delta, num_new = to_delta(out, progress.sent)
             self._observe(progress, out, delta, num_new, now)
             if out.finished:
                 del self._progress[out.request_id]
@@ -286,25 +283,3 @@ def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(error)
-
-
-def _delta(out: RequestOutput, sent: dict[int, _Sent]) -> tuple[RequestOutput, int]:
-    """The DELTA view of a cumulative output, and how many new tokens it holds. Updates
-    `sent`. A completion that gained nothing and did not just finish is left out, so each
-    completion reports its finish_reason exactly once."""
-    changed: list[CompletionOutput] = []
-    num_new = 0
-    for c in out.outputs:
-        s = sent.setdefault(c.index, _Sent())
-        if s.finished:
-            continue
-        logprobs = c.logprobs[s.logprobs:] if c.logprobs is not None else None
-        new = dataclasses.replace(c, text=c.text[s.chars:], token_ids=c.token_ids[s.tokens:],
-                                  logprobs=logprobs)
-        s.chars, s.tokens = len(c.text), len(c.token_ids)
-        s.logprobs = len(c.logprobs) if c.logprobs is not None else 0
-        s.finished = c.finish_reason is not None
-        if new.token_ids or new.text or s.finished:
-            changed.append(new)
-            num_new += len(new.token_ids)
-    return dataclasses.replace(out, outputs=changed), num_new
