@@ -71,12 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-n", type=int, default=1, help="samples per prompt")
     chat = sub.add_parser("chat", help="multi-turn chat at a prompt")
     chat.add_argument("--system", default=None, help="system prompt")
+    serve = sub.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP")
     warm = sub.add_parser("warmup", help="compile (or load) everything for a configuration "
                                          "into the compile cache and report")
     for p in (gen, chat, warm):
         _engine_args(p)
         _sampling_args(p)
         p.add_argument("-v", "--verbose", action="store_true")
+    from kiln.entrypoints.openai.server import add_serve_args
+
+    add_serve_args(serve)
+    _engine_args(serve)
+    serve.add_argument("-v", "--verbose", action="store_true")
     cache = sub.add_parser("cache", help="inspect the compile cache")
     cache.add_argument("action", choices=["ls", "verify", "clear"])
     cache.add_argument("--cache-dir", default=None)
@@ -195,6 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_warmup(args, _make_llm)
         if args.command == "cache":
             return cmd_cache(args)
+        if args.command == "serve":
+            from kiln.entrypoints.openai.server import cmd_serve
+
+            return cmd_serve(args, _make_llm)
         return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
     except ValueError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)

@@ -1,0 +1,285 @@
+"""AsyncLLMEngine: the synchronous `LLMEngine` driven by one background thread, with
+results fanned out to asyncio streams, one per request.
+
+Threading contract: `LLMEngine` is not thread-safe, so exactly one thread (the engine
+thread) ever touches it. The event loop talks to that thread only through a command
+queue (add, abort, stop); the engine thread talks back only through
+`loop.call_soon_threadsafe`. The torch work inside `step()` releases the GIL, so the event
+loop keeps serving HTTP while the model runs.
+
+Output contract: a stream yields DELTA outputs: each `RequestOutput` carries only the
+completions that changed this step, and their `text`, `token_ids` and `logprobs` hold
+just the new part. Requests run with the engine's default (cumulative) output kind and
+the difference is taken here (`output_delta.py`), one place for streaming and metrics
+alike; this works with engines that have no `output_kind` as well as with those that do.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.output_delta import SentState, to_delta
+from kiln.engine.outputs import RequestOutput
+from kiln.sampling import SamplingParams
+from kiln.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a bug in a step, or shutdown); no request can run."""
+
+
+class StatsObserver(Protocol):
+    """Receives per-request timings from the engine thread (must be thread-safe)."""
+
+    def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
+
+    def record_tokens(self, num_new_tokens: int, inter_token_s: float | None) -> None: ...
+
+    def record_finished(self, finish_reason: str, e2e_s: float) -> None: ...
+
+
+class RequestStream:
+    """What `AsyncLLMEngine.add_request` returns: iterate it for DELTA outputs; the last
+    one has `finished=True`. Leaving the iteration early (client gone, cancellation) must be
+    followed by `abort()`, which `iterate()` does itself."""
+
+    def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # event-loop thread only
+        self._queue.put_nowait(item)
+
+    async def iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort the request if it has not finished (idempotent); its blocks are freed."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | dict[str, Any]
+    params: SamplingParams
+    stream: RequestStream
+    accepted: asyncio.Future
+    arrival: float  # time.monotonic() when the caller asked: TTFT includes queueing
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+# The default output kind, where the engine has the field at all.
+_CUMULATIVE = getattr(SamplingParams(), "output_kind", None)
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Engine-thread bookkeeping for one request: what was already sent, and timings."""
+
+    stream: RequestStream
+    arrival: float
+    # completion index -> what was already sent of it
+    sent: dict[int, SentState] = field(default_factory=dict)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_finished: int = 0
+
+
+class AsyncLLMEngine:
+    """Serve many concurrent requests from one `LLMEngine`. Construct it inside a running
+    event loop (or call `start()` there); `shutdown()` stops the engine thread."""
+
+    def __init__(self, engine: LLMEngine, observer: StatsObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._progress: dict[str, _Progress] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.dead_error: BaseException | None = None
+        self.stats: SchedulerStats = engine.get_stats()  # replaced by the engine thread
+
+    # ---- event-loop side -----------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    async def add_request(self, request_id: str, prompt: str | dict[str, Any],
+                          params: SamplingParams, *, priority: int = 0) -> RequestStream:
+        """Queue a request; return its stream once the engine accepted it. A bad request
+        raises `ValueError` here (nothing else is affected); a dead engine raises
+        `EngineDeadError`."""
+        if getattr(params, "output_kind", None) not in (None, _CUMULATIVE):
+            raise ValueError("output_kind: AsyncLLMEngine streams deltas itself; leave it "
+                             "at RequestOutputKind.CUMULATIVE (the default)")
+        self.start()
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.dead_error}")
+        assert self._loop is not None
+        stream = RequestStream(request_id, self)
+        accepted = self._loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, stream, accepted,
+                                time.monotonic(), priority))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            # Cancelled while queued: the engine may still add it, so abort it after the add.
+            stream.abort()
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join, 30)
+        self._thread = None
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                # Idle: sleep until a command arrives. Busy: take what is there and step.
+                block = not self.engine.has_unfinished_requests()
+                if not self._handle_commands(block):
+                    break
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._dispatch(outputs, time.monotonic())
+                self.stats = self.engine.get_stats()
+        except BaseException as exc:  # a bug in a step: fail every request, loudly
+            logger.exception("engine thread died")
+            self.dead_error = exc
+        finally:
+            if self.dead_error is None:
+                self.dead_error = EngineDeadError("the engine was shut down")
+            self._fail_all(self.dead_error)
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued commands; False means stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is _STOP:
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id)
+
+    def _add(self, cmd: _Add) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                    priority=cmd.priority)
+        except ValueError as exc:  # the request fails alone
+            self._call(_resolve, cmd.accepted, exc)
+            return
+        self._progress[cmd.request_id] = _Progress(cmd.stream, cmd.arrival)
+        self._call(_resolve, cmd.accepted, None)
+
+    def _abort(self, request_id: str) -> None:
+        progress = self._progress.pop(request_id, None)
+        if progress is None:
+            return  # already finished (or never accepted)
+        self.engine.abort_request(request_id)
+        if self.observer is not None:
+            self.observer.record_finished("abort", time.monotonic() - progress.arrival)
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            progress = self._progress.get(out.request_id)
+            if progress is None:
+                continue  # aborted in the meantime
+            delta, num_new = to_delta(out, progress.sent)
+            self._observe(progress, out, delta, num_new, now)
+            if out.finished:
+                del self._progress[out.request_id]
+            if delta.outputs or out.finished:
+                self._call(progress.stream._put, delta)
+
+    def _observe(self, progress: _Progress, out: RequestOutput, delta: RequestOutput,
+                 num_new: int, now: float) -> None:
+        obs = self.observer
+        if obs is None:
+            return
+        if num_new:
+            if progress.first_token_time is None:
+                progress.first_token_time = now
+                obs.record_first_token(now - progress.arrival, len(out.prompt_token_ids))
+                obs.record_tokens(num_new, None)
+            else:
+                obs.record_tokens(num_new, now - (progress.last_token_time or now))
+            progress.last_token_time = now
+        for c in delta.outputs:
+            if c.finish_reason is not None:
+                obs.record_finished(c.finish_reason, now - progress.arrival)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc))
+        for progress in self._progress.values():
+            self._call(progress.stream._put, error)
+        self._progress.clear()
+        while True:  # adds still queued: reject them
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                self._call(_resolve, cmd.accepted, error)
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+
+def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():
+        return  # its waiter was cancelled
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

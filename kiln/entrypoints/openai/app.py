@@ -1,0 +1,150 @@
+"""The FastAPI app: routes, error rendering, and the async engine's lifetime.
+
+Start-up order (the lifespan runs before uvicorn opens the port): the engine thread
+starts, then one tiny warm-up request runs through the whole path (add, step,
+detokenize, fan-out), so the port only opens once a request can be served.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, TypeVar
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kiln.engine.async_engine import AsyncLLMEngine
+from kiln.engine.llm_engine import LLMEngine
+from kiln.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+from kiln.entrypoints.openai.guard import GuardMiddleware
+from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kiln.entrypoints.openai.serving import ServingContext
+from kiln.entrypoints.openai.serving_chat import create_chat_completion
+from kiln.entrypoints.openai.serving_completion import create_completion
+from kiln.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+
+
+async def _warmup(engine: AsyncLLMEngine) -> None:
+    observer, engine.observer = engine.observer, None  # keep warm-up out of the metrics
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        stream = await engine.add_request("warmup", {"prompt_token_ids": [0]}, params)
+        async for _ in stream.iterate():
+            pass
+    finally:
+        engine.observer = observer
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    body = await request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+    metrics = ServerMetrics(lambda: async_engine.stats)
+    async_engine = AsyncLLMEngine(engine, observer=metrics)
+    ctx = ServingContext(async_engine, settings.model_name)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        start = time.perf_counter()
+        async_engine.start()
+        await _warmup(async_engine)
+        logger.info("start-up: warm-up request %.2f s", time.perf_counter() - start)
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key,
+                       max_body_bytes=settings.max_body_bytes)
+    _add_error_handlers(app)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                           f"'{settings.model_name}'", "model", "model_not_found")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": settings.model_name, "object": "model", "created": created,
+                "owned_by": "kiln", "max_model_len": ctx.max_model_len}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return APIError(503, f"the engine is not running: {async_engine.dead_error}"
+                            ).response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> Response:
+        check_model(name)
+        return JSONResponse(model_card())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        check_model(req.model)
+        return await create_completion(ctx, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        check_model(req.model)
+        return await create_chat_completion(ctx, req, request)
+
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def validation_error(_: Request, exc: Exception) -> Response:
+        return bad_request(str(exc)).response()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return APIError(exc.status_code, f"{exc.detail}: {request.method} "
+                        f"{request.url.path}").response()
+
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        logger.exception("internal error", exc_info=exc)
+        return APIError(500, f"internal server error: {type(exc).__name__}").response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)

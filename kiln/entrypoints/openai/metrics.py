@@ -1,0 +1,93 @@
+"""GET /metrics: Prometheus text format, with vLLM's metric names under `kiln:`.
+
+Per-request numbers (finishes, tokens, TTFT, inter-token latency, end-to-end latency) are
+pushed by the engine thread through the `StatsObserver` methods. Scheduler numbers
+(running, waiting, KV usage, prefix-cache counters, preemptions) are read at scrape time
+from the snapshot the engine thread publishes after each step, so scraping never touches
+the engine itself.
+
+`kiln:kv_cache_usage_perc` counts blocks held by requests. Blocks kept only for prefix
+caching (reference count 0, evictable) are free, so once every request has finished the
+value is 0; anything else is a leak.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram,
+                               disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kiln.scheduler import SchedulerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self, stats: Callable[[], SchedulerStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily("kiln:num_requests_running", "Requests in the running batch.",
+                                value=s.num_running)
+        yield GaugeMetricFamily("kiln:num_requests_waiting", "Requests waiting to run.",
+                                value=s.num_waiting)
+        yield GaugeMetricFamily("kiln:kv_cache_usage_perc",
+                                "Fraction of KV blocks held by requests (0..1); "
+                                "prefix-cached free blocks count as free.",
+                                value=s.kv_cache_usage)
+        yield CounterMetricFamily("kiln:prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache.",
+                                  value=s.prefix_cache_queries)
+        yield CounterMetricFamily("kiln:prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache.",
+                                  value=s.prefix_cache_hits)
+        yield GaugeMetricFamily("kiln:prefix_cache_hit_rate",
+                                "prefix_cache_hits / prefix_cache_queries since start.",
+                                value=s.prefix_cache_hit_rate)
+        yield CounterMetricFamily("kiln:num_preemptions", "Preemptions since start.",
+                                  value=s.num_preemptions)
+
+
+class ServerMetrics:
+    """The server's registry; also the engine's `StatsObserver` (prometheus_client
+    metrics are thread-safe, so the engine thread may record directly)."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats]) -> None:
+        disable_created_metrics()  # process-wide; the *_created series only add noise
+        self.registry = r = CollectorRegistry()
+        self.finished = Counter("kiln:request_success", "Finished requests (per choice) by "
+                                "finish reason.", ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("kiln:prompt_tokens", "Prompt tokens of requests that "
+                                     "produced a first token.", registry=r)
+        self.generation_tokens = Counter("kiln:generation_tokens", "Generated tokens.",
+                                         registry=r)
+        self.ttft = Histogram("kiln:time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("kiln:inter_token_latency_seconds", "Time between two outputs "
+                             "of one request.", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kiln:e2e_request_latency_seconds", "Arrival to finish.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        r.register(_SchedulerCollector(stats))
+
+    # StatsObserver
+    def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_tokens(self, num_new_tokens: int, inter_token_s: float | None) -> None:
+        self.generation_tokens.inc(num_new_tokens)
+        if inter_token_s is not None:
+            self.itl.observe(inter_token_s)
+
+    def record_finished(self, finish_reason: str, e2e_s: float) -> None:
+        self.finished.labels(finished_reason=finish_reason).inc()
+        self.e2e.observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

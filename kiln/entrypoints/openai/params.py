@@ -1,0 +1,104 @@
+"""The one place an OpenAI request becomes `SamplingParams`.
+
+Rules: a field the client did not send keeps SamplingParams' default; `max_tokens`
+defaults to what fits in max_model_len after the prompt, and an explicit one that does not
+fit is a 400 (as OpenAI and vLLM do) rather than a silent truncation. A field this
+engine's SamplingParams does not have yet is a 400 unless it is set to its neutral value,
+so a client never gets a silently different sampler than it asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kiln.entrypoints.openai.errors import APIError, bad_request, from_value_error
+from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kiln.sampling import SamplingParams
+
+# Values that leave sampling unchanged: sending them needs no support from the engine.
+_NEUTRAL: dict[str, Any] = {"n": 1, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                            "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                            "min_tokens": 0, "stop": [], "stop_token_ids": [],
+                            "include_stop_str_in_output": False, "logit_bias": {},
+                            "skip_special_tokens": True, "ignore_eos": False}
+_PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
+                "min_tokens", "ignore_eos", "include_stop_str_in_output",
+                "skip_special_tokens")
+_MAX_N = 128  # a cap on fan-out per request, so one request cannot take every sequence slot
+
+
+def sampling_fields() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def supports(field_name: str) -> bool:
+    """Whether this engine's SamplingParams has the field (some arrive with later work)."""
+    return field_name in sampling_fields()
+
+
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                       max_model_len: int) -> SamplingParams:
+    chat = isinstance(req, ChatCompletionRequest)
+    max_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None \
+        else "max_tokens"
+    kwargs: dict[str, Any] = {name: getattr(req, name) for name in _PASSTHROUGH
+                              if getattr(req, name) is not None}
+    if isinstance(kwargs.get("stop"), str):
+        kwargs["stop"] = [kwargs["stop"]]
+    if req.n > _MAX_N:
+        raise bad_request(f"n={req.n} is above the server's limit of {_MAX_N}", "n")
+    if req.logit_bias is not None:
+        kwargs["logit_bias"] = _logit_bias(req.logit_bias)
+    logprobs = _logprobs(req)
+    if logprobs is not None:
+        kwargs["logprobs"] = logprobs
+    kwargs["max_tokens"] = _max_tokens(getattr(req, max_name), max_name, prompt_len,
+                                       max_model_len)
+    for name in list(kwargs):
+        if not supports(name):
+            if kwargs[name] != _NEUTRAL.get(name, object()):
+                raise bad_request(f"{name} is not supported by this kiln engine yet", name)
+            del kwargs[name]
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise from_value_error(exc, sampling_fields(),
+                               {"max_tokens": max_name,
+                                "logprobs": "top_logprobs" if chat else "logprobs"}) from None
+
+
+def _max_tokens(requested: int | None, name: str, prompt_len: int, max_model_len: int) -> int:
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt has {prompt_len} tokens but max_model_len is "
+                       f"{max_model_len} (prompt plus at least one new token must fit); "
+                       "shorten the prompt", None, "context_length_exceeded")
+    if requested is None:
+        return room
+    if requested < 1:
+        raise bad_request(f"{name}={requested} must be a positive integer", name)
+    if requested > room:
+        raise APIError(400, f"{name}={requested} plus the prompt's {prompt_len} tokens is "
+                       f"more than max_model_len={max_model_len}; ask for at most {room} "
+                       "tokens or shorten the prompt", name, "context_length_exceeded")
+    return requested
+
+
+def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              "logit_bias") from None
+    return out
