@@ -12,7 +12,7 @@ _EXPORTS = {
     "KVWriteConfig": "kv_write", "write_kv": "kv_write",
     "UnifiedAttentionConfig": "attention_kernel", "default_config": "attention_kernel",
     "unified_attention": "attention_kernel",
-    "interpreter_enabled": "triton_runtime", "triton_installed": "triton_runtime",
+    "interpreter_reason": "triton_runtime", "triton_installed": "triton_runtime",
 }
 
 __all__ = sorted(_EXPORTS)

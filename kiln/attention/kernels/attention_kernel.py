@@ -16,13 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
-from kiln.attention.kernels.triton_runtime import lazy_jit
-
-try:  # the module is importable without Triton; launching a kernel needs it
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only on machines without triton
-    tl = None
+from kiln.attention.kernels.triton_runtime import interpreter_requested
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +85,9 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     # Sequence s gets programs [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): at least
     # ceil(q_len / BLOCK_Q) of them, so T // BLOCK_Q + num_seqs always covers the batch.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    # Triton's interpreter computes bf16 tl.dot wrongly (garbage, triton 3.9): interpreted
+    # bf16 runs multiply in fp32 instead. Compiled kernels keep bf16 tensor-core dots.
+    upcast = query.dtype == torch.bfloat16 and interpreter_requested()
     _unified_attention_kernel[grid](
         query, key_cache, value_cache, output, block_table, seq_lens, query_start_loc,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
@@ -98,7 +98,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         block_table.stride(0),
         NUM_QUERIES_PER_KV=qpk, HEAD_SIZE=head_size, HEAD_PAD=_next_pow2(max(head_size, 16)),
         PAGE_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
-        IEEE_DOT=query.dtype == torch.float32,
+        IEEE_DOT=query.dtype == torch.float32 or upcast, UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -106,7 +106,7 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@lazy_jit
+@triton.jit
 def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
         qk_scale, num_seqs,
@@ -115,7 +115,7 @@ def _unified_attention_kernel(
         bt_stride,
         NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, IEEE_DOT: tl.constexpr):
+        TILE_N: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -147,6 +147,8 @@ def _unified_attention_kernel(
     token = (q_start + q_pos).to(tl.int64)
     q = tl.load(q_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h
                 + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
 
     query_abs = context_len + q_pos  # [BLOCK_M] absolute position: sees keys <= it
     # Keys this program can see: up to its last query row's position (causal).
@@ -166,6 +168,9 @@ def _unified_attention_kernel(
                     mask=d_ok[:, None] & key_ok[None, :], other=0.0)  # [HEAD_PAD, TILE_N]
         v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :],
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         if IEEE_DOT:
             s = tl.dot(q, k, input_precision="ieee")
         else:

@@ -10,13 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kiln.attention.kernels.triton_runtime import lazy_jit
-
-try:
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    tl = None
+import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +42,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         PAGE_SIZE=block_size, num_warps=cfg.num_warps)
 
 
-@lazy_jit
+@triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                      kc_stride_b, kc_stride_s, kc_stride_h,
