@@ -7,13 +7,14 @@ precede Triton's first import); with CUDA these tests skip and tests/gpu/ runs t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import replace
 
 import pytest
 import torch
 
+from attention_batches import Batch, dense_reference, make_batch, random_shapes, run_backend
 from conftest import random_prompts
-from kiln.attention import AttentionLayerSpec, AttentionMetadata, select_backend
+from kiln.attention import AttentionLayerSpec, select_backend
 from kiln.attention import selector
 from kiln.attention.backends import TorchPagedBackend, TritonPagedBackend
 
@@ -31,80 +32,14 @@ def interpret() -> None:
         pytest.skip(reason)
 
 
-@dataclass
-class Batch:
-    query: torch.Tensor  # [T, heads * hd], T includes padding rows
-    key: torch.Tensor  # [T, kv_heads * hd]
-    value: torch.Tensor
-    cache: torch.Tensor  # [2, blocks, block_size, kv_heads, hd], context already written
-    metadata: AttentionMetadata
-
-
-def make_batch(shapes: list[tuple[int, int]], heads: int, kv_heads: int, head_size: int,
-               block_size: int, pad: int, seed: int, dtype: torch.dtype = torch.float32,
-               empty_seqs: int = 0) -> Batch:
-    """shapes: (cached context, new tokens) per sequence. `empty_seqs` trailing sequences
-    with no tokens model a CUDA graph's padded request rows (seq_len 0, null block)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-(c + n) // block_size) for c, n in shapes]
-    num_blocks = sum(blocks_needed) + 3
-    max_blocks = max(blocks_needed) + 1
-    # Random stale values everywhere (block 0, the null block, included): a kernel that
-    # reads a slot it should not would show it.
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_size, generator=g)
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    table = torch.zeros(len(shapes) + empty_seqs, max_blocks, dtype=torch.int32)
-    qsl, slots, lens = [0], [], []
-    for i, ((ctx, new), nb) in enumerate(zip(shapes, blocks_needed)):
-        table[i, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
-        perm = perm[nb:]
-        slots += [int(table[i, p // block_size]) * block_size + p % block_size
-                  for p in range(ctx, ctx + new)]
-        qsl.append(qsl[-1] + new)
-        lens.append(ctx + new)
-    qsl += [qsl[-1]] * empty_seqs
-    lens += [0] * empty_seqs
-    n = qsl[-1]
-    t = n + pad
-    query = torch.randn(t, heads * head_size, generator=g)
-    key = torch.randn(t, kv_heads * head_size, generator=g)
-    value = torch.randn(t, kv_heads * head_size, generator=g)
-    md = AttentionMetadata(
-        num_actual_tokens=n, num_reqs=len(lens),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table,
-        slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64),
-        query_start_loc_cpu=qsl, seq_lens_cpu=lens,
-        max_query_len=max(new for _, new in shapes), max_seq_len=max(lens),
-        block_size=block_size)
-    return Batch(query.to(dtype), key.to(dtype), value.to(dtype), cache.to(dtype), md)
-
-
-def run_both(batch: Batch, spec: AttentionLayerSpec) -> tuple[torch.Tensor, torch.Tensor,
-                                                              torch.Tensor, torch.Tensor]:
+def run_both(batch: Batch, spec: AttentionLayerSpec
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(triton output, triton cache, reference output, reference cache); outputs cut to
     the real rows."""
     n = batch.metadata.num_actual_tokens
-    outs, caches = [], []
-    for cls in (TritonPagedBackend, TorchPagedBackend):
-        cache = batch.cache.clone()
-        out = torch.full_like(batch.query, float("nan"))
-        cls(spec).forward(batch.query, batch.key, batch.value, cache,
-                          cls.build_metadata(batch.metadata), out)
-        outs.append(out[:n])
-        caches.append(cache)
-    return outs[0], caches[0], outs[1], caches[1]
-
-
-def random_shapes(seed: int, num_seqs: int) -> list[tuple[int, int]]:
-    """A mix of fresh prefills, chunks with cached context and single-token decodes."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = []
-    for i in range(num_seqs):
-        kind = i % 3
-        r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
-        shapes.append([(0, r(1, 20)), (r(1, 40), r(2, 12)), (r(0, 60), 1)][kind])
-    return shapes
+    out, cache = run_backend(TritonPagedBackend, batch, spec)
+    ref_out, ref_cache = run_backend(TorchPagedBackend, batch, spec)
+    return out[:n], cache, ref_out[:n], ref_cache
 
 
 # (block_size, head_size, heads, kv_heads, num_seqs, pad): block sizes 16 and 32, head
@@ -127,6 +62,7 @@ def test_matches_reference_on_random_mixed_batches(interpret, block_size, head_s
     spec = AttentionLayerSpec(heads, kv_heads, head_size, head_size ** -0.5)
     out, cache, ref_out, ref_cache = run_both(batch, spec)
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, dense_reference(batch, spec), atol=2e-5, rtol=2e-5)
     # The same slots were written and nothing else (padding rows have slot -1).
     assert torch.equal(cache, ref_cache)
 
@@ -147,20 +83,26 @@ def test_graph_padded_request_rows_are_ignored(interpret):
     shapes = [(10, 1), (0, 6), (40, 1)]
     padded = make_batch(shapes, 4, 2, 64, 16, pad=4, seed=5, empty_seqs=3)
     plain = make_batch(shapes, 4, 2, 64, 16, pad=4, seed=5)
-    out, cache, _, _ = run_both_triton_only(padded, spec)
+    out, cache = run_backend(TritonPagedBackend, padded, spec)
     _, _, ref_out, ref_cache = run_both(plain, spec)
-    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    n = ref_out.shape[0]
+    torch.testing.assert_close(out[:n], ref_out, atol=2e-5, rtol=2e-5)
+    assert out[n:].isnan().all()  # padding rows are never written
     assert torch.equal(cache, ref_cache)
 
 
-def run_both_triton_only(batch: Batch, spec: AttentionLayerSpec):
-    n = batch.metadata.num_actual_tokens
-    cache = batch.cache.clone()
-    out = torch.full_like(batch.query, float("nan"))
-    TritonPagedBackend(spec).forward(batch.query, batch.key, batch.value, cache,
-                                     batch.metadata, out)
-    assert out[n:].isnan().all()  # padding rows are never written
-    return out[:n], cache, None, None
+def test_host_side_lengths_are_never_read(interpret):
+    """What a CUDA graph freezes at capture (the metadata's host ints and lists) must not
+    matter: with them scrambled the kernels still produce the reference result."""
+    spec = AttentionLayerSpec(4, 2, 64, 0.125)
+    batch = make_batch([(3, 7), (25, 1)], 4, 2, 64, 32, pad=2, seed=11)
+    _, _, ref_out, ref_cache = run_both(batch, spec)
+    batch.metadata = replace(batch.metadata, num_actual_tokens=1, num_reqs=1,
+                             query_start_loc_cpu=[0, 1], seq_lens_cpu=[1], max_query_len=1,
+                             max_seq_len=1, block_size=7)
+    out, cache = run_backend(TritonPagedBackend, batch, spec)
+    torch.testing.assert_close(out[: ref_out.shape[0]], ref_out, atol=2e-5, rtol=2e-5)
+    assert torch.equal(cache, ref_cache)
 
 
 def test_bfloat16_close_to_reference(interpret):

@@ -11,7 +11,7 @@ from typing import Any
 _EXPORTS = {
     "KVWriteConfig": "kv_write", "write_kv": "kv_write",
     "UnifiedAttentionConfig": "attention_kernel", "default_config": "attention_kernel",
-    "unified_attention": "attention_kernel",
+    "unified_attention": "attention_kernel", "sweep_space": "attention_kernel",
     "interpreter_reason": "triton_runtime", "triton_installed": "triton_runtime",
 }
 

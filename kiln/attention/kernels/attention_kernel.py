@@ -61,6 +61,14 @@ def default_config(head_size: int, num_queries_per_kv: int,
                                   num_warps=8 if head_size >= 128 else 4, num_stages=2)
 
 
+def sweep_space(num_queries_per_kv: int) -> list[UnifiedAttentionConfig]:
+    """Every valid config a tuning harness should try for one GQA ratio (CUDA only: the
+    interpreter ignores warps and stages)."""
+    return [UnifiedAttentionConfig(block_m, tile_n, warps, stages)
+            for block_m in (16, 32, 64) if block_m >= num_queries_per_kv
+            for tile_n in (16, 32, 64, 128) for warps in (2, 4, 8) for stages in (1, 2, 3)]
+
+
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       output: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, scale: float,
@@ -76,6 +84,10 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     seq_lens[s] - q_len[s] + j and sees keys 0..that position.
     """
     num_tokens, num_heads, head_size = query.shape
+    for name, tensor in (("query", query), ("output", output), ("key_cache", key_cache),
+                         ("value_cache", value_cache)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")
     _, block_size, num_kv_heads, _ = key_cache.shape
     qpk = num_heads // num_kv_heads
     cfg = config or default_config(head_size, qpk, query.dtype)
@@ -106,7 +118,9 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@triton.jit
+# num_seqs changes every step; specializing on it (== 1, % 16) would JIT new variants
+# mid-serving. Strides and constexprs are fixed per model, so one compile per layer shape.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
         qk_scale, num_seqs,
