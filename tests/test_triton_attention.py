@@ -17,6 +17,7 @@ from conftest import random_prompts
 from kiln.attention import AttentionLayerSpec, select_backend
 from kiln.attention import selector
 from kiln.attention.backends import TorchPagedBackend, TritonPagedBackend
+from kiln.attention.kernels import interpreter_reason
 
 pytest.importorskip("triton")
 
@@ -25,8 +26,6 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def interpret() -> None:
-    from kiln.attention.kernels import interpreter_reason
-
     reason = interpreter_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -138,7 +137,8 @@ def test_refusals_and_selection(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert "head_size 512" in TritonPagedBackend.supports(512, torch.float32, CPU)
     assert "dtype" in TritonPagedBackend.supports(64, torch.int8, CPU)
-    assert select_backend("triton", 64, torch.float32, CPU) is TritonPagedBackend
+    if interpreter_reason() is None:  # the session interprets (CPU-only hosts: conftest)
+        assert select_backend("triton", 64, torch.float32, CPU) is TritonPagedBackend
     # Automatic choice when the preferred backend refuses: one log line, then the next.
     monkeypatch.setitem(selector.PREFERENCE, "cpu", ("triton", "torch"))
     records: list[logging.LogRecord] = []
