@@ -97,6 +97,8 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     # Sequence s gets programs [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): at least
     # ceil(q_len / BLOCK_Q) of them, so T // BLOCK_Q + num_seqs always covers the batch.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    if grid[0] == 0:
+        return
     # Triton's interpreter computes bf16 tl.dot wrongly (garbage, triton 3.9): interpreted
     # bf16 runs multiply in fp32 instead. Compiled kernels keep bf16 tensor-core dots.
     upcast = query.dtype == torch.bfloat16 and interpreter_requested()
