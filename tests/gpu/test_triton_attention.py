@@ -1,5 +1,5 @@
 """The Triton backend on CUDA: against the PyTorch reference backend, against dense SDPA,
-under CUDA-graph capture and replay, and at long contexts."""
+under CUDA-graph capture and replay, at long contexts, and as the automatic choice."""
 from __future__ import annotations
 
 import pytest
@@ -88,3 +88,21 @@ def test_cuda_graph_replay_serves_a_different_batch_of_the_same_shape():
     torch.testing.assert_close(out[:n].float(), expected.float(), atol=2e-2, rtol=2e-2)
     _, ref_cache = run_backend(TorchPagedBackend, second, spec)
     assert torch.equal(static["cache"], ref_cache)
+
+
+def test_chosen_automatically_and_greedy_tokens_match_torch_backend(tiny_models):
+    from conftest import random_prompts
+    from kiln import LLM, SamplingParams
+    from kiln.attention import select_backend
+
+    assert select_backend(None, 64, torch.bfloat16, torch.device("cuda")) is TritonPagedBackend
+    path = str(tiny_models["llama"][0])
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, [11, 4, 19, 40], seed=2)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", None):
+        llm = LLM(path, progress=False, device="cuda", max_model_len=128,
+                  max_num_batched_tokens=32, attention_backend=backend)
+        tokens[llm.engine.runner.attn_backend_cls.name] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["triton"] == tokens["torch"]
