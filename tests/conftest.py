@@ -2,11 +2,20 @@
 directory, and a transformers greedy reference."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
-import transformers
+
+# Triton kernels run on a CPU only in Triton's interpreter, which must be chosen before
+# Triton is first imported (Inductor imports it during any compile): on a host without CUDA
+# the whole session interprets, so tests/test_triton_attention.py can run anywhere in it.
+# Nothing else uses Triton on a CPU (Inductor emits C++ there).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import transformers  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

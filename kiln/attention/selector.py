@@ -1,4 +1,11 @@
-"""Choose the attention backend: the user's pick if it can run, else the platform default."""
+"""Choose the attention backend: the user's pick if it can run, else the platform default.
+
+An explicit `attention_backend` that cannot run here is a configuration error (ValueError
+naming the field and the reason): silently serving with another backend would hide that
+the requested kernels, and their CUDA-graph support, are not in use. Without a pick, the
+device's preference list is walked and a fallback is logged in one line, so a CUDA user whose
+model Triton cannot serve (say head_size 512) still gets the torch backend.
+"""
 from __future__ import annotations
 
 import logging
@@ -7,10 +14,21 @@ import torch
 
 from kiln.attention.backend import AttentionBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
+from kiln.attention.backends.triton_paged import TritonPagedBackend
 
 logger = logging.getLogger(__name__)
 
-BACKENDS: dict[str, type[AttentionBackend]] = {TorchPagedBackend.name: TorchPagedBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    TorchPagedBackend.name: TorchPagedBackend,
+    TritonPagedBackend.name: TritonPagedBackend,
+}
+
+# Automatic choice per device type, best first. The CPU keeps torch: interpreted Triton is
+# for tests only and must be asked for by name.
+PREFERENCE: dict[str, tuple[str, ...]] = {
+    "cuda": (TritonPagedBackend.name, TorchPagedBackend.name),
+    "cpu": (TorchPagedBackend.name,),
+}
 
 
 def select_backend(name: str | None, head_size: int, dtype: torch.dtype,
@@ -20,11 +38,19 @@ def select_backend(name: str | None, head_size: int, dtype: torch.dtype,
                          f"{', '.join(sorted(BACKENDS))}")
     if name is not None:
         reason = BACKENDS[name].supports(head_size, dtype, device)
+        if reason is not None:
+            raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; choose "
+                             "another backend or leave attention_backend unset to pick one "
+                             "automatically")
+        return BACKENDS[name]
+    refused: list[str] = []
+    for candidate in PREFERENCE.get(device.type, tuple(BACKENDS)):
+        reason = BACKENDS[candidate].supports(head_size, dtype, device)
         if reason is None:
-            return BACKENDS[name]
-        logger.warning("attention backend %r cannot run here (%s); falling back", name, reason)
-    for cls in BACKENDS.values():
-        if cls.supports(head_size, dtype, device) is None:
-            return cls
+            if refused:
+                logger.warning("attention backend %s; using %r instead", "; ".join(refused),
+                               candidate)
+            return BACKENDS[candidate]
+        refused.append(f"{candidate!r} cannot run here ({reason})")
     raise ValueError(f"no attention backend supports head_size={head_size}, dtype={dtype} "
-                     f"on {device}")
+                     f"on {device}: {'; '.join(refused)}")

@@ -30,7 +30,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=_default("block_size"))
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--attention-backend", default=None,
+                   help="torch | triton (default: triton on CUDA, torch on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=None,
                    help="compile cache location (default: $KILN_CACHE_DIR or "
