@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["ls", "verify", "clear"])
     cache.add_argument("--cache-dir", default=None)
     cache.add_argument("-v", "--verbose", action="store_true")
+    from kiln.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, _engine_args)
     return parser
 
 
@@ -148,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_warmup(args, _make_llm)
         if args.command == "cache":
             return cmd_cache(args)
+        if args.command == "bench":
+            from kiln.bench.cli import cmd_bench
+
+            return cmd_bench(args, _make_llm, _engine_args)
         return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
     except ValueError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
