@@ -32,11 +32,10 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     lat.add_argument("--num-iters-warmup", type=int, default=1)
     tp = modes.add_parser("throughput", help="N offline requests run to completion")
     tp.add_argument("--num-prompts", type=int, default=32)
-    for p in (tp,):
-        p.add_argument("--input-len", type=int, default=128)
-        p.add_argument("--output-len", type=int, default=128)
-        p.add_argument("--random-range-ratio", type=float, default=0.0,
-                       help="draw lengths uniformly in len*(1-r)..len*(1+r)")
+    tp.add_argument("--input-len", type=int, default=128)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--random-range-ratio", type=float, default=0.0,
+                    help="draw lengths uniformly in len*(1-r)..len*(1+r)")
     srv = modes.add_parser("serve", help="load a running OpenAI-compatible server on this "
                                          "machine (kiln serve)")
     srv.add_argument("--url", default="http://127.0.0.1:8000",

@@ -9,7 +9,8 @@ attention backend selection when no backend is named).
 JSON (`--json`), units in the field names:
     mode "kernels", environment, config {model, dtype, ops, decode_batches, prefill_lens,
     context_len, compiled, warmup, iters}, tuning_file,
-    results: [{op, shape, candidate, config, ok, error, median_us, p90_us, calls_per_sample}],
+    results: [{op, shape, candidate, label (candidate plus its config), config, ok, error,
+    median_us, p90_us (per call), calls_per_sample}],
     best: {op: {shape: {best, config, us: {candidate label: median_us}}}} (what was written
     to the tuning table).
 """

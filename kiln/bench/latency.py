@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.bench import plots
-from kiln.bench.report import SUMMARY_HEADERS, environment, summary_rows, table
+from kiln.bench.report import (SUMMARY_HEADERS, engine_facts, environment, summary_rows,
+                               table)
 from kiln.bench.stats import scaled, summarize
 from kiln.bench.workload import check_positive, random_prompts
 
@@ -53,7 +54,7 @@ def run_latency(llm: Any, batch_size: int, input_len: int, output_len: int,
         "mode": "latency", **environment(engine.config.device),
         "config": {"batch_size": batch_size, "input_len": input_len, "output_len": output_len,
                    "num_iters": num_iters, "num_iters_warmup": num_iters_warmup, "seed": seed,
-                   **_engine_facts(engine)},
+                   **engine_facts(engine)},
         "load_time_s": engine.load_time_s,
         "prefill_ms": summarize(scaled(prefill, 1e3)),
         "decode_step_ms": summarize(scaled(decode, 1e3)),
@@ -86,13 +87,6 @@ def _one_iteration(engine: Any, prompts: list[list[int]], params: Any,
             prefill_end = t1
     end = time.perf_counter()
     return (prefill_end or end) - start, decode, end - start
-
-
-def _engine_facts(engine: Any) -> dict[str, Any]:
-    cfg = engine.config
-    return {"model": str(engine.model_config.path), "dtype": str(engine.dtype).removeprefix(
-        "torch."), "optimization_level": cfg.optimization_level,
-        "attention_backend": engine.runner.attn_backend_cls.name}
 
 
 def format_latency(r: dict[str, Any]) -> str:

@@ -43,6 +43,14 @@ def environment(device: str = "cpu") -> dict[str, Any]:
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def engine_facts(engine: Any) -> dict[str, Any]:
+    """The engine settings that change the numbers, for a result's `config`."""
+    return {"model": str(engine.model_config.path),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "optimization_level": engine.config.optimization_level,
+            "attention_backend": engine.runner.attn_backend_cls.name}
+
+
 def _clean(value: Any) -> Any:
     """NaN/inf are not JSON: write them as null."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -89,8 +89,9 @@ async def _drive(httpx: Any, base: str, model: str | None,
                  rate: float | None, concurrency: int | None, rng: random.Random,
                  timeout_s: float) -> tuple[list[RequestResult], float, str]:
     limits = httpx.Limits(max_connections=concurrency or len(prompts) or 1)
+    # No proxies from the environment and no redirects: traffic stays on the checked URL.
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits,
-                                 trust_env=False) as client:
+                                 trust_env=False, follow_redirects=False) as client:
         model = model or await _served_model(client, base)
         gate = asyncio.Semaphore(concurrency) if concurrency else None
 

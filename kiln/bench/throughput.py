@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.bench import plots
-from kiln.bench.latency import _engine_facts
-from kiln.bench.report import SUMMARY_HEADERS, environment, summary_rows, table
+from kiln.bench.report import (SUMMARY_HEADERS, engine_facts, environment, summary_rows,
+                               table)
 from kiln.bench.stats import summarize
 from kiln.bench.workload import check_positive, lengths, random_prompts
 
@@ -66,7 +66,7 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int,
         "mode": "throughput", **environment(engine.config.device),
         "config": {"num_prompts": num_prompts, "input_len": input_len,
                    "output_len": output_len, "random_range_ratio": random_range_ratio,
-                   "seed": seed, **_engine_facts(engine)},
+                   "seed": seed, **engine_facts(engine)},
         "load_time_s": engine.load_time_s, "elapsed_s": elapsed,
         "num_requests": len(done), "total_input_tokens": total_in,
         "total_output_tokens": generated, "requests_per_s": len(done) / elapsed,
