@@ -28,7 +28,7 @@ from kiln.bench.cases import (Case, Shapes, rms_norm_cases, rope_cases, sampler_
 from kiln.bench.kernel_attention import attention_cases
 from kiln.bench.report import environment, table
 from kiln.bench.stats import percentile
-from kiln.bench.tuning import merge_into
+from kiln.bench.tuning import merge_into, parse_key
 
 OPS: dict[str, Callable[[Shapes, bool], list[Case]]] = {
     "attention": attention_cases, "rms_norm": rms_norm_cases, "rope": rope_cases,
@@ -137,8 +137,21 @@ def plot_kernels(r: dict[str, Any], out_dir: Path) -> list[Path]:
         for x in r["results"]:
             if x["op"] == op and x["ok"]:
                 groups.setdefault(x["shape"], {})[x["label"]] = x["median_us"]
-        if groups:
-            paths.append(plots.bars(groups, f"kiln bench kernels: {op} ({r['device']})",
-                                    "median us per call", out_dir / f"kernels_{op}.png",
-                                    log=True))
+        if not groups:
+            continue
+        times = [t for g in groups.values() for t in g.values()]
+        named = dict(zip(_short_keys(list(groups)), groups.values()))
+        paths.append(plots.bars(named, f"kiln bench kernels: {op} ({r['device']})",
+                                "median us per call", out_dir / f"kernels_{op}.png",
+                                log=max(times) > 20 * min(times)))
     return paths
+
+
+def _short_keys(keys: list[str]) -> list[str]:
+    """Shape keys without the dimensions every key shares (they go unsaid on a chart)."""
+    dims = [parse_key(k) for k in keys]
+    names = list(dict.fromkeys(d for x in dims for d in x))  # union, first-seen order
+    varying = [d for d in names if len({x.get(d) for x in dims}) > 1]
+    if not varying:
+        return keys
+    return [",".join(f"{d}={x[d]}" for d in varying if d in x) for x in dims]

@@ -50,7 +50,7 @@ def bars(groups: dict[str, dict[str, float]], title: str, ylabel: str, path: Pat
     plt = _pyplot()
     series = sorted({s for g in groups.values() for s in g})
     width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(groups) * max(1, len(series)) + 2), 3.8))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(groups) * max(1, len(series)) + 2), 4.0))
     for i, name in enumerate(series):
         xs = [j + i * width for j in range(len(groups))]
         ys = [g.get(name, 0.0) or 0.0 for g in groups.values()]
