@@ -147,14 +147,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "warmup":
-            return cmd_warmup(args, _make_llm)
-        if args.command == "cache":
-            return cmd_cache(args)
         if args.command == "bench":
             from kiln.bench.cli import cmd_bench
 
             return cmd_bench(args, _make_llm, _engine_args)
+        if args.command == "warmup":
+            return cmd_warmup(args, _make_llm)
+        if args.command == "cache":
+            return cmd_cache(args)
         return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
     except ValueError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
