@@ -236,18 +236,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _has_serve(), reason="`kiln serve` is not in this tree yet (the "
                     "server lands separately); this test runs once it does")
-def test_serve_against_kiln_serve(smollm2_dir, tmp_path):
+def test_serve_against_kiln_serve(tiny, tmp_path):
+    import httpx
+
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.entrypoints.cli", "serve", "--host",
-                             "127.0.0.1", "--port", str(port)],
+    # The tiny model has no tokenizer: the benchmark sends token-id prompts.
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.entrypoints.cli", "serve", tiny,
+                             "--host", "127.0.0.1", "--port", str(port), "-O0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        import httpx
-
         deadline = time.monotonic() + 180
         while True:  # bounded wait for start-up
             if proc.poll() is not None:
@@ -259,15 +259,17 @@ def test_serve_against_kiln_serve(smollm2_dir, tmp_path):
                 pass
             if time.monotonic() > deadline:
                 pytest.fail("kiln serve did not answer /v1/models within 180 s")
-            time.sleep(0.5)
+            time.sleep(0.3)
         r = bench(tmp_path, "serve", "--url", url, "--num-prompts", "4", "--input-len", "8",
-                  "--output-len", "6", "--max-concurrency", "2")
+                  "--output-len", "6", "--max-concurrency", "2", "--prompt-type", "ids")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert r["completed"] == 4 and r["failed"] == 0
-    assert r["total_output_tokens"] == 4 * 6
+    assert r["completed"] == 4 and r["failed"] == 0, r["errors"]
+    assert r["total_output_tokens"] == 4 * 6 and r["total_input_tokens"] == 4 * 8
     check_summary(r["ttft_ms"], n=4)
-    check_summary(r["itl_ms"])
+    check_summary(r["itl_ms"], n=4 * 5)
+    check_summary(r["tpot_ms"], n=4)
     check_summary(r["e2e_ms"], n=4)
     assert r["output_tok_s"] > 0
+    check_pngs(tmp_path, "serve.png")

@@ -1,7 +1,7 @@
 """One streamed completion request against an OpenAI-compatible server, timed per chunk.
 
 The SSE stream is read line by line; each `data: {...}` chunk carrying a choice is one
-token event (a server streams one chunk per generated token). Times are taken on arrival
+token event (kiln serve, like vLLM, streams one chunk per generated token). Times are taken on arrival
 of each chunk, so TTFT includes queueing and prefill, and the gaps between chunks are the
 inter-token latencies (ITL). A final `usage` chunk, when the server sends one
 (`stream_options.include_usage`), gives exact token counts.
@@ -115,12 +115,7 @@ def _sse_data(line: str) -> str | None:
 
 
 def _is_token_event(chunk: dict[str, Any]) -> bool:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return False  # e.g. the trailing usage-only chunk
-    choice = choices[0]
-    text = choice.get("text")
-    if text is None:  # chat-style chunk
-        text = (choice.get("delta") or {}).get("content")
-    # A closing chunk that carries only the finish reason is not a token.
-    return bool(text) or choice.get("finish_reason") is None
+    """A chunk with a choice is one token, even with empty text: a model without a
+    tokenizer, or a token the detokenizer holds back, streams "" (and the last token's chunk
+    also carries the finish reason). The trailing usage-only chunk has no choice."""
+    return bool(chunk.get("choices"))
