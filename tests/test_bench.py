@@ -134,6 +134,8 @@ def test_tuning_table_steers_backend_selection(tmp_path, monkeypatch, caplog):
     assert select_backend(None, 32, torch.float32, torch.device("cpu")) is TorchPagedBackend
     assert select_backend(None, 64, torch.bfloat16, torch.device("cpu")) is TorchPagedBackend
     assert select_backend("torch", 64, torch.float32, torch.device("cpu")) is TorchPagedBackend
+    monkeypatch.setattr(Tuned, "supports", classmethod(lambda cls, *a: "not here"))
+    assert select_backend(None, 64, torch.float32, torch.device("cpu")) is TorchPagedBackend
     table.write_text("{not json")  # a broken table is ignored with a warning, never fatal
     assert select_backend(None, 64, torch.float32, torch.device("cpu")) is TorchPagedBackend
     assert "ignoring the tuning table" in caplog.text

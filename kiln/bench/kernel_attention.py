@@ -2,14 +2,18 @@
 
 Backends come from `kiln.attention.BACKENDS` (the selector's registry), so a new backend
 (the Triton one, say) is timed as soon as it is registered and its `supports()` allows.
-A backend can also expose its launch parameters for a sweep:
+On CUDA a backend's launch parameters are swept when it exposes them, in either of two
+ways:
 
     @classmethod
     def tuning_configs(cls, spec, dtype, device) -> list[dict]   # e.g. BLOCK_N, num_warps
     def apply_tuning_config(self, config: dict) -> None           # on an instance
 
-Each config is then timed as its own candidate, and the winner's config is written to the
-tuning table next to the backend's name.
+or, as the Triton backend does, a `kernel_config` attribute (None = its default) and the
+configs of `kiln.attention.kernels.sweep_space(num_queries_per_kv)` (block sizes, warps,
+stages). Each config is timed as its own candidate; the winner's config is written to the
+tuning table next to the backend's name. Not on the CPU: the Triton interpreter ignores
+warps and stages, and interpreted sweeps would take hours.
 
 Each backend fills its own KV cache (any layout, from its `kv_cache_shape`) by running a
 prefill of the context first; only the measured step (one decode token per request, or a
@@ -17,6 +21,7 @@ whole prompt) is timed.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -59,6 +64,33 @@ class _Step:
         self.out = torch.empty_like(self.q)
 
 
+def _launch_configs(cls: Any, spec: AttentionLayerSpec, s: Shapes
+                    ) -> list[tuple[dict[str, Any] | None, Any]]:
+    """(JSON form, value to apply) of every launch config to time; (None, None) is the
+    backend's own default."""
+    configs: list[Any] = []
+    if s.device.type == "cuda" and hasattr(cls, "tuning_configs"):
+        configs = list(cls.tuning_configs(spec, s.dtype, s.device))
+    elif s.device.type == "cuda" and hasattr(cls, "kernel_config"):
+        try:
+            from kiln.attention.kernels import sweep_space
+        except ImportError:  # a kernel_config without a sweep space: defaults only
+            sweep_space = None
+        if sweep_space is not None:
+            configs = list(sweep_space(spec.num_heads // spec.num_kv_heads))
+    as_json = [c if isinstance(c, dict) else dataclasses.asdict(c) for c in configs]
+    return [(None, None), *zip(as_json, configs)]
+
+
+def _apply(backend: Any, config: Any) -> None:
+    if config is None:
+        return
+    if hasattr(backend, "apply_tuning_config"):
+        backend.apply_tuning_config(config)
+    else:
+        backend.kernel_config = config  # an instance attribute shadows the class default
+
+
 def _backend_candidates(s: Shapes, spec: AttentionLayerSpec, num_blocks: int,
                         context: tuple[AttentionMetadata, _Step] | None,
                         step_md: AttentionMetadata, step: _Step) -> list[Candidate]:
@@ -66,27 +98,41 @@ def _backend_candidates(s: Shapes, spec: AttentionLayerSpec, num_blocks: int,
     for cls in BACKENDS.values():
         if cls.supports(s.head_dim, s.dtype, s.device) is not None:
             continue
-        configs: list[dict[str, Any] | None] = [None]
-        if hasattr(cls, "tuning_configs"):
-            configs = list(cls.tuning_configs(spec, s.dtype, s.device)) or [None]
-        for config in configs:
-            backend = cls(spec)
-            if config is not None:
-                backend.apply_tuning_config(config)
-            kv = torch.zeros(cls.kv_cache_shape(num_blocks, BLOCK_SIZE, s.num_kv_heads,
-                                                s.head_dim), device=s.device, dtype=s.dtype)
-            if context is not None:
-                md, ctx = context
-                backend.forward(ctx.q, ctx.k, ctx.v, kv, cls.build_metadata(md), ctx.out)
-            md = cls.build_metadata(step_md)
-
-            def run(b: Any = backend, kv: torch.Tensor = kv, md: Any = md) -> torch.Tensor:
-                # Rewriting the step's own K/V each call is idempotent: same slots, values.
-                b.forward(step.q, step.k, step.v, kv, md, step.out)
-                return step.out.clone()
-
-            out.append(Candidate(cls.name, run, config))
+        for as_json, config in _launch_configs(cls, spec, s):
+            try:
+                run = _prepared(cls, spec, config, s, num_blocks, context, step_md, step)
+            except Exception as exc:  # e.g. a launch config this GPU cannot run
+                run = _failing(exc)
+            out.append(Candidate(cls.name, run, as_json))
     return out
+
+
+def _prepared(cls: Any, spec: AttentionLayerSpec, config: Any, s: Shapes, num_blocks: int,
+              context: tuple[AttentionMetadata, _Step] | None, step_md: AttentionMetadata,
+              step: _Step) -> Any:
+    """A backend instance with its KV cache filled by the context; returns the timed call."""
+    backend = cls(spec)
+    _apply(backend, config)
+    kv = torch.zeros(cls.kv_cache_shape(num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim),
+                     device=s.device, dtype=s.dtype)
+    if context is not None:
+        md, ctx = context
+        backend.forward(ctx.q, ctx.k, ctx.v, kv, cls.build_metadata(md), ctx.out)
+    md = cls.build_metadata(step_md)
+
+    def run() -> torch.Tensor:
+        # Rewriting the step's own K/V each call is idempotent: same slots, same values.
+        backend.forward(step.q, step.k, step.v, kv, md, step.out)
+        return step.out.clone()
+
+    return run
+
+
+def _failing(exc: Exception) -> Any:
+    def run() -> None:
+        raise exc  # reported by the harness as this candidate's error
+
+    return run
 
 
 def attention_cases(s: Shapes, compiled: bool) -> list[Case]:

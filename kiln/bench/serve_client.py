@@ -1,10 +1,10 @@
 """One streamed completion request against an OpenAI-compatible server, timed per chunk.
 
 The SSE stream is read line by line; each `data: {...}` chunk carrying a choice is one
-token event (kiln serve, like vLLM, streams one chunk per generated token). Times are taken on arrival
-of each chunk, so TTFT includes queueing and prefill, and the gaps between chunks are the
-inter-token latencies (ITL). A final `usage` chunk, when the server sends one
-(`stream_options.include_usage`), gives exact token counts.
+token event (kiln serve, like vLLM, streams one chunk per generated token). Times are
+taken on arrival of each chunk, so TTFT includes queueing and prefill, and the gaps
+between chunks are the inter-token latencies (ITL). A final `usage` chunk, when the
+server sends one (`stream_options.include_usage`), gives exact token counts.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Mapping
 
 import torch
 
@@ -69,16 +69,18 @@ def lookup(op: str, shape: str, device: str | torch.device = "cpu",
 
 
 def preferred_attention_backend(head_size: int, dtype: torch.dtype, device: torch.device,
-                                names: Iterable[str],
+                                backends: Mapping[str, Any],
                                 path: str | os.PathLike | None = None) -> str | None:
-    """The backend among `names` that won the most tuned attention shapes with this head
-    size and dtype on this device (ties: the first name in alphabetical order); None
-    without tuning data.
+    """The backend among `backends` (name -> class) that won the most tuned attention
+    shapes with this head size and dtype on this device and whose `supports()` accepts this
+    configuration (ties: the first name in alphabetical order); None without tuning data.
 
     Backends are chosen once per engine, not per step, so the per-shape winners are
     reduced to one vote here."""
-    allowed = set(names)
     entries = load_tuning(path).get("devices", {}).get(device_name(device), {})
+    if not entries.get("attention"):
+        return None
+    allowed = {n for n, c in backends.items() if c.supports(head_size, dtype, device) is None}
     want = {"head_size": str(head_size), "dtype": str(dtype).removeprefix("torch.")}
     wins: dict[str, int] = {}
     for key, entry in entries.get("attention", {}).items():
