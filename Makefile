@@ -28,7 +28,12 @@ test: $(STAMP)
 	$(KILN) warmup -O1
 	$(PY) -m pytest -q tests
 
+# Micro-benchmarks of the hot ops and of a compiled decoder piece (pytest-benchmark, never
+# collected by `make test`), then kiln vs transformers on SmolLM2 (batch 1, 32 requests).
 bench: $(STAMP)
+	$(PY) -m pytest benchmarks -q --benchmark-only --benchmark-max-time=0.2 \
+		--benchmark-group-by=group --benchmark-sort=min \
+		--benchmark-columns=min,median,iqr,rounds
 	$(PY) benchmarks/compare_hf.py
 
 clean:

@@ -33,6 +33,10 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 
 def select_backend(name: str | None, head_size: int, dtype: torch.dtype,
                    device: torch.device) -> type[AttentionBackend]:
+    if name is None:  # nothing named: the tuning table's pick (kiln bench kernels), if any
+        from kiln.bench import preferred_attention_backend
+
+        name = preferred_attention_backend(head_size, dtype, device, BACKENDS)
     if name is not None and name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} is unknown; choose one of "
                          f"{', '.join(sorted(BACKENDS))}")

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["ls", "verify", "clear"])
     cache.add_argument("--cache-dir", default=None)
     cache.add_argument("-v", "--verbose", action="store_true")
+    from kiln.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, _engine_args)
     return parser
 
 
@@ -198,6 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "bench":
+            from kiln.bench.cli import cmd_bench
+
+            return cmd_bench(args, _make_llm, _engine_args)
         if args.command == "warmup":
             return cmd_warmup(args, _make_llm)
         if args.command == "cache":

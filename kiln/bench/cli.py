@@ -1,0 +1,152 @@
+"""`kiln bench latency | throughput | serve | compile | kernels`: arguments and dispatch.
+
+Every mode prints a table, writes its result as JSON with `--json PATH` (schemas in each
+mode's module docstring) and PNG charts into `--plot DIR`.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+EngineArgs = Callable[[argparse.ArgumentParser], None]
+
+
+def _outputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts here")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
+    """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
+    bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
+                                         "| serve | compile | kernels")
+    modes = bench.add_subparsers(dest="bench_mode", required=True)
+    lat = modes.add_parser("latency", help="one fixed batch, timed per engine step")
+    lat.add_argument("--batch-size", type=int, default=8)
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters", type=int, default=5)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    tp = modes.add_parser("throughput", help="N offline requests run to completion")
+    tp.add_argument("--num-prompts", type=int, default=32)
+    tp.add_argument("--input-len", type=int, default=128)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--random-range-ratio", type=float, default=0.0,
+                    help="draw lengths uniformly in len*(1-r)..len*(1+r)")
+    srv = modes.add_parser("serve", help="load a running OpenAI-compatible server on this "
+                                         "machine (kiln serve)")
+    srv.add_argument("--url", default="http://127.0.0.1:8000",
+                     help="server base URL; localhost / 127.0.0.1 / [::1] only")
+    srv.add_argument("--served-model-name", default=None,
+                     help="model name to send (default: the first of GET /v1/models)")
+    srv.add_argument("--num-prompts", type=int, default=32)
+    srv.add_argument("--input-len", type=int, default=128)
+    srv.add_argument("--output-len", type=int, default=128)
+    srv.add_argument("--random-range-ratio", type=float, default=0.0)
+    srv.add_argument("--request-rate", type=float, default=math.inf,
+                     help="Poisson arrival rate in requests/s (default inf: all at once)")
+    srv.add_argument("--max-concurrency", type=int, default=None)
+    srv.add_argument("--prompt-type", default="text", choices=["text", "ids"],
+                     help="text words, or token ids (models without a tokenizer)")
+    srv.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
+    srv.add_argument("--seed", type=int, default=0)
+    comp = modes.add_parser("compile", help="cold vs warm start-up per optimization level "
+                                            "(fresh processes)")
+    comp.add_argument("--levels", type=int, nargs="+", default=[0, 1])
+    ker = modes.add_parser("kernels", help="time candidate kernels per shape and write the "
+                                           "tuning table")
+    ker.add_argument("--ops", nargs="+", default=None,
+                     help="attention rms_norm rope silu_and_mul top_k_top_p (default: all)")
+    ker.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],
+                     help="decode batch sizes")
+    ker.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512])
+    ker.add_argument("--context-len", type=int, default=256,
+                     help="KV tokens per decoding request")
+    ker.add_argument("--no-compiled", action="store_true",
+                     help="skip torch.compile candidates (they compile on first use)")
+    ker.add_argument("--warmup", type=int, default=3)
+    ker.add_argument("--iters", type=int, default=20)
+    ker.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
+    ker.add_argument("--tuning-file", default=None,
+                     help="tuning table to update (default: $KILN_TUNING_FILE or "
+                          "$KILN_HOME/tuning.json)")
+    ker.add_argument("--no-write", action="store_true", help="do not write the tuning table")
+    for p in (lat, tp, comp, ker):
+        engine_args(p)
+    for p in (lat, tp, srv, comp, ker):
+        _outputs(p)
+
+
+def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any],
+              engine_args: EngineArgs) -> int:
+    mode = args.bench_mode
+    result: dict[str, Any]
+    if mode == "latency":
+        from kiln.bench.latency import format_latency as fmt, plot_latency as plot, run_latency
+
+        if args.batch_size > args.max_num_seqs:
+            raise ValueError(f"batch_size={args.batch_size} exceeds --max-num-seqs="
+                             f"{args.max_num_seqs}: a fixed batch must run at once; raise "
+                             "--max-num-seqs")
+        result = run_latency(make_llm(args), args.batch_size, args.input_len,
+                             args.output_len, args.num_iters, args.num_iters_warmup, args.seed)
+    elif mode == "throughput":
+        from kiln.bench.throughput import (format_throughput as fmt,
+                                           plot_throughput as plot, run_throughput)
+
+        result = run_throughput(make_llm(args), args.num_prompts, args.input_len,
+                                args.output_len, args.random_range_ratio, args.seed)
+    elif mode == "serve":
+        from kiln.bench.serve import format_serve as fmt, plot_serve as plot, run_serve
+
+        rate = None if math.isinf(args.request_rate) else args.request_rate
+        result = run_serve(args.url, args.num_prompts, args.input_len, args.output_len,
+                           model=args.served_model_name, request_rate=rate,
+                           max_concurrency=args.max_concurrency,
+                           random_range_ratio=args.random_range_ratio,
+                           prompt_type=args.prompt_type, seed=args.seed,
+                           request_timeout_s=args.request_timeout)
+    elif mode == "compile":
+        from kiln.bench.compile import format_compile as fmt, plot_compile as plot, run_compile
+
+        result = run_compile(args.levels, engine_argv(args, engine_args,
+                                                      skip={"optimization_level", "cache_dir"}))
+    else:
+        from kiln.bench.kernels import format_kernels as fmt, plot_kernels as plot
+        from kiln.bench.shapes import run_kernels_for_model
+
+        result = run_kernels_for_model(args)
+    print(fmt(result))
+    if args.json:
+        from kiln.bench.report import write_json
+
+        print(f"wrote {write_json(args.json, result)}")
+    if args.plot:
+        for path in plot(result, Path(args.plot)):
+            print(f"wrote {path}")
+    return 1 if mode == "serve" and result["completed"] == 0 else 0
+
+
+def engine_argv(args: argparse.Namespace, engine_args: EngineArgs,
+                skip: set[str]) -> list[str]:
+    """The engine flags in `args` that differ from their defaults, as command-line words
+    (for a child process that parses them with the same `engine_args`)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    engine_args(probe)
+    words: list[str] = []
+    for action in probe._actions:
+        if action.dest in skip or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") \
+            else action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append(flag)
+        else:
+            words += [flag, str(value)]
+    return words
