@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.entrypoints.cli import build_parser, main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SUMMARY = {"n", "mean", "min", "p50", "p90", "p99", "max"}
@@ -227,19 +226,12 @@ def test_serve_refuses_remote_urls(url):
         run_serve(url, 1, 4, 4)
 
 
-def _has_serve() -> bool:
-    sub = next(a for a in build_parser()._actions if a.dest == "command")
-    return "serve" in sub.choices
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(not _has_serve(), reason="`kiln serve` is not in this tree yet (the "
-                    "server lands separately); this test runs once it does")
 def test_serve_against_kiln_serve(tiny, tmp_path):
     import httpx
 

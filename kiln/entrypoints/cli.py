@@ -1,5 +1,4 @@
-"""The `kiln` command line: generate | chat | warmup | cache (serve and bench plug in
-here later)."""
+"""The `kiln` command line: generate | chat | serve | bench | warmup | cache."""
 from __future__ import annotations
 
 import argparse
