@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.entrypoints.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SUMMARY = {"n", "mean", "min", "p50", "p90", "p99", "max"}
