@@ -10,7 +10,7 @@ import torch
 from conftest import random_prompts
 from kiln import LLM, SamplingParams
 from kiln.sampling import Sampler, SamplingMetadata
-from kiln.sampling.sampler import apply_penalties
+from kiln.sampling.sampler import apply_penalties, apply_top_k_top_p
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
 DRAWS = 6000
@@ -69,6 +69,15 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_after_temperature():
     freq = frequencies(SamplingParams(temperature=2.0, min_p=min_p))
     assert freq[3:].sum() == 0
     assert torch.allclose(freq, expected(probs, keep), atol=0.02)
+
+
+def test_partial_top_k_filter_equals_the_full_sort():
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    top_k = torch.tensor([1, 5, 50, 50, 200, 7])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.95, 0.3])
+    full = apply_top_k_top_p(logits, top_k, top_p)
+    partial = apply_top_k_top_p(logits, top_k, top_p, max_top_k=200)
+    assert torch.equal(full, partial)
 
 
 def test_greedy_and_random_rows_mix_in_one_batch():

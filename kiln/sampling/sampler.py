@@ -55,7 +55,7 @@ class Sampler:
         logits = logits / temperature.unsqueeze(1)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
         probs = logits.softmax(dim=-1)
         sampled = (probs / _exponential_noise(probs, md.generators)).argmax(dim=-1)
         return torch.where(is_greedy, greedy, sampled)
@@ -80,22 +80,31 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus with -inf."""
+                      top_p: torch.Tensor | None, max_top_k: int | None = None
+                      ) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf.
+
+    With `max_top_k` (every row has 0 < top_k <= max_top_k) only the best max_top_k
+    logits per row are sorted; the rest are dropped either way."""
     if top_k is None and top_p is None:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
+    if max_top_k is not None:
+        sorted_logits, order = logits.topk(max_top_k, dim=-1)  # sorted, descending
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    width = sorted_logits.shape[-1]
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-        drop |= torch.arange(vocab, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, width)).clamp(max=width)
+        drop |= torch.arange(width, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
     if top_p is not None:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
         drop |= before >= top_p.unsqueeze(1)  # the top token always survives (before = 0)
     masked = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, masked)
+    out = torch.full_like(logits, float("-inf")) if max_top_k is not None \
+        else torch.empty_like(logits)
+    return out.scatter_(-1, order, masked)
 
 
 def _exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
