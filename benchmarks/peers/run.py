@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import install  # noqa: E402  (a sibling script, not a package)
+from busy import cpu_busy  # noqa: E402
 from measure import MARKER, Spec  # noqa: E402
 from table import Row, format_table, to_json  # noqa: E402
 
@@ -79,13 +80,15 @@ def make_spec(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_process(python: str, run: EngineRun, spec: dict[str, Any], log: Path,
-                timeout: float, clean_env: bool) -> dict[str, Any]:
+                timeout: float, clean_env: bool, threads: int | None) -> dict[str, Any]:
     """Run one worker process to completion; its parsed result (or an error dict)."""
     spec_path = log.with_suffix(".spec.json")
     spec_path.write_text(json.dumps({**spec, "dtype": run.dtype, "options": run.options}))
     env = dict(os.environ)
     if clean_env:  # a peer venv must not see kiln's tree on PYTHONPATH
         env.pop("PYTHONPATH", None)
+    if threads:  # smoke tests on a busy machine only: the default is each engine's own
+        env["OMP_NUM_THREADS"] = str(threads)
     env["PEERS_T0"] = repr(time.time())
     with open(log, "w") as out:
         # A session of its own, so a timeout can end the worker and its children (vLLM's
@@ -133,14 +136,18 @@ def measure_engine(run: EngineRun, spec: dict[str, Any], args: argparse.Namespac
     if args.warmup:
         t0 = time.monotonic()
         warm = run_process(python, run, {**spec, "startup_only": True},
-                           logs / f"{name}-warmup.log", args.timeout, clean)
+                           logs / f"{name}-warmup.log", args.timeout, clean, args.threads)
         print(f"[{run.engine} {run.dtype}] warm-up process: {time.monotonic() - t0:.0f} s"
               + (f" ({warm['error']})" if "error" in warm else ""), flush=True)
+    busy = cpu_busy()  # nothing of ours runs now: this is everyone else's load
     t0 = time.monotonic()
-    result = run_process(python, run, spec, logs / f"{name}.log", args.timeout, clean)
-    print(f"[{run.engine} {run.dtype}] measured process: {time.monotonic() - t0:.0f} s",
-          flush=True)
-    return Row.from_result(run.engine, run.dtype, result)
+    result = run_process(python, run, spec, logs / f"{name}.log", args.timeout, clean,
+                         args.threads)
+    print(f"[{run.engine} {run.dtype}] measured process: {time.monotonic() - t0:.0f} s"
+          + (f" (CPUs {busy:.0%} busy before it)" if busy is not None else ""), flush=True)
+    row = Row.from_result(run.engine, run.dtype, result)
+    row.cpu_busy_before = busy
+    return row
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -164,6 +171,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     ap.add_argument("--no-install", dest="install", action="store_false")
     ap.add_argument("--venv-dir", type=Path, default=install.default_venv_dir())
+    ap.add_argument("--threads", type=int, default=None,
+                    help="set OMP_NUM_THREADS for every engine (smoke tests on a busy "
+                         "machine; leave unset for the real comparison)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per process")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from busy import BUSY_WARN
+
 
 @dataclass(slots=True)
 class Row:
@@ -18,6 +20,7 @@ class Row:
     batchn_tok_s: float | None = None
     startup_s: float | None = None       # process spawn -> first token (measured process)
     error: str | None = None
+    cpu_busy_before: float | None = None  # others' CPU use just before the measured run
     facts: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)  # the worker's whole result
 
@@ -61,6 +64,7 @@ def format_table(rows: list[Row], num_prompts: int, new_tokens: int) -> str:
              "start->1st tok s", "kiln/b1", f"kiln/{num_prompts}x", "kiln/start"]
     lines: list[list[str]] = []
     errors: list[str] = []
+    busy = [r for r in rows if (r.cpu_busy_before or 0) > BUSY_WARN]
     for r in rows:
         if r.error:
             lines.append([r.label, "error", "error", "error", "-", "-", "-"])
@@ -79,6 +83,10 @@ def format_table(rows: list[Row], num_prompts: int, new_tokens: int) -> str:
     out = [fmt(heads), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines]
     if errors:
         out += ["errors:"] + errors
+    if busy:
+        out.append("WARNING: other processes kept the CPUs busy before "
+                   + ", ".join(f"{r.label} ({r.cpu_busy_before:.0%})" for r in busy)
+                   + ": those numbers are distorted (see busy.py); rerun on a quiet machine.")
     return "\n".join(out)
 
 
