@@ -118,9 +118,9 @@ def python_for(run: EngineRun, args: argparse.Namespace, logs: Path) -> str:
     if not args.install and not install.is_installed(run.peer_env, args.venv_dir):
         raise RuntimeError(f"not installed; run `python benchmarks/peers/install.py "
                            f"{run.peer_env}` or drop --no-install")
-    print(f"[{run.engine}] installing into {args.venv_dir / run.peer_env} if needed "
-          f"(first time: several minutes; log {logs / (run.peer_env + '-install.log')})",
-          flush=True)
+    if not install.is_installed(run.peer_env, args.venv_dir):
+        print(f"[{run.engine}] installing into {args.venv_dir / run.peer_env} (several "
+              f"minutes; log {logs / (run.peer_env + '-install.log')})", flush=True)
     return str(install.install(run.peer_env, args.venv_dir,
                                logs / f"{run.peer_env}-install.log"))
 
