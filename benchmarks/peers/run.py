@@ -99,15 +99,24 @@ def run_process(python: str, run: EngineRun, spec: dict[str, Any], log: Path,
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _end_session(proc.pid)
             proc.wait()
             return {"error": f"timed out after {timeout:.0f} s; log {log}"}
+        _end_session(proc.pid)  # a leftover child would load the CPUs for the next engine
     lines = [l for l in log.read_text(errors="replace").splitlines() if l.startswith(MARKER)]
     if not lines:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         return {"error": f"exit {proc.returncode}, no result line; log {log}: "
                          + " | ".join(tail)}
     return json.loads(lines[-1][len(MARKER):])
+
+
+def _end_session(pid: int) -> None:
+    """Kill what is left of the worker's own process group (only processes it started)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def python_for(run: EngineRun, args: argparse.Namespace, logs: Path) -> str:
