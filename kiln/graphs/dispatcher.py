@@ -51,7 +51,7 @@ class GraphDispatcher:
         self.max_capture_size = self.capture_sizes[-1] if self.capture_sizes else 0
         # padded[n] = the smallest capture size >= n, for n in 0..max_capture_size.
         self.padded = [self.capture_sizes[bisect.bisect_left(self.capture_sizes, n)]
-                       for n in range(self.max_capture_size + 1)]
+                       for n in range(self.max_capture_size + 1)] if self.capture_sizes else []
         for size in compile_sizes:
             if size <= self.max_capture_size and self.padded[size] != size:
                 raise ValueError(
