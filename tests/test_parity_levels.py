@@ -27,8 +27,10 @@ def prompts(smollm2_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    return [tok.apply_chat_template([{"role": "user", "content": f"Tell me about {t}."}],
-                                    add_generation_prompt=True) for t in TOPICS]
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"Tell me about {t}."}],
+                                     tokenize=False, add_generation_prompt=True)
+             for t in TOPICS]
+    return [tok.encode(text, add_special_tokens=False) for text in texts]
 
 
 @pytest.fixture(scope="module")
