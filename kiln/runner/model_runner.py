@@ -2,9 +2,12 @@
 
 It owns the model, the KV cache and persistent input buffers whose addresses never change
 (`input_ids`, `positions`, `slot_mapping`, `block_table`, `query_start_loc`, `seq_lens`);
-each step fills their heads and the model reads slices of them. Logits are computed only
-for each request's last scheduled token, and only when that token completes its prompt or
-is a decode (a prefill chunk that stops short samples nothing).
+each step fills their heads and the model reads slices of them. When the graph dispatcher
+picks a graph, the token count is padded to its size inside these buffers (padding rows:
+slot -1, null block, `is_padding`), so a captured graph always sees the same addresses.
+Logits are computed only for each request's last scheduled token, and only when that
+token completes its prompt or is a decode (a prefill chunk that stops short samples
+nothing).
 """
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ from kiln.compiler import compile_model
 from kiln.config import CompilationConfig, CompilationMode
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.graphs import CUDAGraphMode, capture_phase
-from kiln.platform import current_platform
 from kiln.models import ModelConfig, build_model
+from kiln.platform import current_platform
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import graph_factory, resolve_dispatcher, wrap_full, wrap_pieces
 from kiln.runner.kv_cache import allocate_kv_cache, num_blocks_for
