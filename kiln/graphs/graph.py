@@ -87,7 +87,7 @@ def _copy_into(dst: Any, src: Any) -> None:
 
 
 class CudaGraph:
-    """`torch.cuda.CUDAGraph` captured into the process-wide pool on the current stream."""
+    """`torch.cuda.CUDAGraph` captured into the process-wide pool."""
 
     def __init__(self, pool: Any, name: str = "", check_addresses: bool = False) -> None:
         self.name = name
@@ -106,8 +106,8 @@ class CudaGraph:
                 # of the phase already did both.
                 stack.enter_context(mock.patch("gc.collect", lambda *a, **k: 0))
                 stack.enter_context(mock.patch("torch.cuda.empty_cache", lambda: None))
-            stack.enter_context(torch.cuda.graph(self.graph, pool=self.pool,
-                                                 stream=torch.cuda.current_stream()))
+            # torch's shared side stream: capture is illegal on the legacy default stream.
+            stack.enter_context(torch.cuda.graph(self.graph, pool=self.pool))
             output = fn(*args)
             if weak_ref_output:
                 # Dropping the strong reference inside the capture returns the memory to
