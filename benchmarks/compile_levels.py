@@ -41,7 +41,7 @@ def random_smollm2(path: str) -> str:
 _FIRST_TOKEN = """
 import sys
 from kiln import LLM, SamplingParams
-model, level, cache, device, ids = sys.argv[1] or None, int(sys.argv[2]), *sys.argv[3:5], sys.argv[5]
+model, level, cache, device, ids = sys.argv[1] or None, int(sys.argv[2]), *sys.argv[3:6]
 llm = LLM(model, optimization_level=level, device=device, progress=False,
           compilation={"cache_dir": cache})
 prompt = {"prompt_token_ids": [int(t) for t in ids.split()]} if ids else \\

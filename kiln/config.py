@@ -46,7 +46,8 @@ class CompilationConfig:
     use_cache: bool = True
     cache_dir: str | None = None  # None: $KILN_CACHE_DIR, else $KILN_HOME/compile_cache
     inductor_options: dict | None = None  # torch._inductor.config overrides
-    cudagraph_mode: CUDAGraphMode | str | None = None  # none|piecewise|full|full_decode_only|full_and_piecewise
+    # none | piecewise | full | full_decode_only | full_and_piecewise (kiln.graphs)
+    cudagraph_mode: CUDAGraphMode | str | None = None
     cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... (dispatcher)
     # "auto": CUDA graphs where CUDA exists, none elsewhere. "cpu_test": the CPU test graph
     # (kiln.graphs.CpuTestGraph), a stand-in that enforces the replay contract so tests

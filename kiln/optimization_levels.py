@@ -7,7 +7,7 @@ still left None, so anything a user sets explicitly wins.
 | cudagraph_mode           | NONE | PIECEWISE | FULL_AND_PIECEWISE | FULL_AND_PIECEWISE        |
 | compile sizes            | -    | -         | -                  | CUDA: capture sizes <= 8  |
 | compile ranges           | one range 1..max_num_batched_tokens at every level          |
-| Inductor options (CUDA)  | -    | -         | -                  | max_autotune, coordinate_descent_tuning |
+| Inductor options (CUDA)  | -    | -         | -                  | max_autotune, coord. descent |
 | Inductor options (CPU)   | -    | -         | -                  | - (measured: see README)  |
 
 On a device without CUDA graphs the graph modes then lower to NONE (one info line), so
