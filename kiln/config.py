@@ -5,11 +5,16 @@ here uses `assert` (which `python -O` strips).
 """
 from __future__ import annotations
 
+import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
+
+from kiln.graphs.mode import CUDAGraphMode
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
@@ -23,6 +28,10 @@ class CompilationMode(IntEnum):
 
 
 _COMPILE_BACKENDS = ("inductor", "eager")
+_GRAPH_BACKENDS = ("auto", "cpu_test")
+# Fields that shape the graph layer, not the compiled code: left out of the compile-cache
+# key, so levels that differ only in graphs share their compiled artifacts.
+GRAPH_FIELDS = ("cudagraph_mode", "cudagraph_capture_sizes", "graph_backend")
 
 
 @dataclass(slots=True)
@@ -36,7 +45,14 @@ class CompilationConfig:
     compile_ranges_endpoints: list[int] | None = None  # symbolic builds over ranges
     use_cache: bool = True
     cache_dir: str | None = None  # None: $KILN_CACHE_DIR, else $KILN_HOME/compile_cache
-    inductor_options: dict = field(default_factory=dict)
+    inductor_options: dict | None = None  # torch._inductor.config overrides
+    # none | piecewise | full | full_decode_only | full_and_piecewise (kiln.graphs)
+    cudagraph_mode: CUDAGraphMode | str | None = None
+    cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... (dispatcher)
+    # "auto": CUDA graphs where CUDA exists, none elsewhere. "cpu_test": the CPU test graph
+    # (kiln.graphs.CpuTestGraph), a stand-in that enforces the replay contract so tests
+    # run dispatch, padding and nested wrappers end to end without a GPU; not faster.
+    graph_backend: str = "auto"
 
     def validate(self, max_num_batched_tokens: int) -> None:
         if self.mode is not None and self.mode not in tuple(CompilationMode):
@@ -54,6 +70,14 @@ class CompilationConfig:
                 raise ValueError(f"compilation.compile_sizes entry {size!r} must be an "
                                  f"integer in [1, max_num_batched_tokens="
                                  f"{max_num_batched_tokens}]")
+        if self.cudagraph_mode is not None:
+            self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+        if self.graph_backend not in _GRAPH_BACKENDS:
+            raise ValueError(f"compilation.graph_backend={self.graph_backend!r} must be one "
+                             f"of {', '.join(_GRAPH_BACKENDS)}")
+        if self.inductor_options is not None and not isinstance(self.inductor_options, dict):
+            raise ValueError("compilation.inductor_options must be a dict of "
+                             "torch._inductor.config names to values")
         ends = list(self.compile_ranges_endpoints or [])
         if ends != sorted(set(ends)) or any(not 1 <= e < max_num_batched_tokens for e in ends):
             raise ValueError(f"compilation.compile_ranges_endpoints={ends} must be strictly "
@@ -73,9 +97,9 @@ class OptimizationLevel(IntEnum):
     """`-O0..-O3`: defaults for level-controlled fields, never overrides."""
 
     O0 = 0  # eager, no compilation, no graphs: the debugging baseline
-    O1 = 1
-    O2 = 2
-    O3 = 3
+    O1 = 1  # compiled pieces, PIECEWISE graphs
+    O2 = 2  # + FULL graphs for uniform decode (the CLI default)
+    O3 = 3  # + the expensive Inductor options where they pay off
 
 
 def parse_bytes(value: int | str, field_name: str) -> int:
@@ -169,18 +193,9 @@ class EngineConfig:
 
     def _apply_level(self) -> None:
         """Fill level-controlled fields that are still None; explicit settings win."""
-        c = self.compilation
-        if c.mode is None:
-            level = OptimizationLevel(self.optimization_level)
-            c.mode = CompilationMode.NONE if level == 0 else CompilationMode.PIECEWISE
-        if c.splitting_ops is None:
-            from kiln.attention.op import SPLITTING_OPS
+        from kiln.optimization_levels import apply_level_defaults
 
-            c.splitting_ops = list(SPLITTING_OPS)
-        if c.compile_sizes is None:
-            c.compile_sizes = []
-        if c.compile_ranges_endpoints is None:
-            c.compile_ranges_endpoints = []
+        apply_level_defaults(self)
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -13,6 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from kiln.attention.backend import AttentionBackend, AttentionMetadata
+    from kiln.graphs.mode import CUDAGraphMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +30,9 @@ class ForwardContext:
     """What one model forward needs besides its two tensor inputs.
 
     `kv_caches[i]` is layer i's cache view and `attn_backends[i]` its backend; `is_padding` marks rows that are padding
-    (their slot is -1 and their output is never read).
+    (their slot is -1 and their output is never read). `cudagraph_mode` (a runtime mode:
+    NONE, PIECEWISE or FULL; None means NONE) and `batch_descriptor` are the dispatcher's
+    decision, which the graph wrappers obey.
     """
 
     attn_metadata: AttentionMetadata | None
@@ -37,6 +40,7 @@ class ForwardContext:
     attn_backends: Sequence[AttentionBackend]
     batch_descriptor: BatchDescriptor | None = None
     is_padding: torch.Tensor | None = None
+    cudagraph_mode: CUDAGraphMode | None = None
 
 
 _current: ForwardContext | None = None
@@ -54,6 +58,10 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _current = None
+
+
+def get_forward_context_or_none() -> ForwardContext | None:
+    return _current
 
 
 def get_forward_context() -> ForwardContext:

@@ -17,7 +17,7 @@ from kiln.compiler.backend import KilnBackend
 from kiln.compiler.cache import CompileCache, default_cache_root
 from kiln.compiler.piecewise import Range
 from kiln.compiler.trace_once import TraceOnceModel
-from kiln.config import CompilationConfig
+from kiln.config import GRAPH_FIELDS, CompilationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
 
     model_config = {k: v for k, v in dataclasses.asdict(model.config).items() if k != "path"}
     compilation = {k: v for k, v in dataclasses.asdict(cc).items()
-                   if k not in ("cache_dir", "use_cache")}
+                   if k not in ("cache_dir", "use_cache", *GRAPH_FIELDS)}
     return {"kiln_version": __version__, "model_config": model_config, "dtype": str(dtype),
             "compilation": compilation, "shapes": [str(s) for s in shapes],
             "device": device_description(device), "torch": torch.__version__,

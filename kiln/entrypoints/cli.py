@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -20,8 +21,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory or .gguf file (default: the embedded "
                         "SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
-    p.add_argument("-O", dest="optimization_level", type=int, default=0, metavar="N",
-                   help="optimization level -O0..-O3 (default 0)")
+    p.add_argument("-O", "--optimization-level", dest="optimization_level", type=int,
+                   default=2, choices=range(4), metavar="N",
+                   help="optimization level -O0..-O3 (default -O2): -O0 eager, -O1 compiled "
+                        "pieces + piecewise CUDA graphs, -O2 + full CUDA graphs for decode, "
+                        "-O3 + max-autotune on CUDA; fields set explicitly win")
+    p.add_argument("-cc", "--compilation-config", default=None, metavar="JSON",
+                   help="compilation fields as JSON, e.g. '{\"cudagraph_mode\": \"piecewise\", "
+                        "\"cudagraph_capture_sizes\": [1, 2, 4]}'; they win over -O")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"))
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -101,11 +108,27 @@ def _make_llm(args: argparse.Namespace) -> Any:
                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
                attention_backend=args.attention_backend, seed=args.seed,
-               compilation={"cache_dir": args.cache_dir, "use_cache": not args.no_compile_cache,
-                            "backend": args.compile_backend},
+               compilation=_compilation(args),
                enable_prefix_caching=not args.no_prefix_caching,
                scheduling_policy=args.scheduling_policy,
                long_prefill_token_threshold=args.long_prefill_token_threshold)
+
+
+def _compilation(args: argparse.Namespace) -> dict[str, Any]:
+    fields: dict[str, Any] = {"cache_dir": args.cache_dir,
+                              "use_cache": not args.no_compile_cache,
+                              "backend": args.compile_backend}
+    if args.compilation_config:
+        try:
+            extra = json.loads(args.compilation_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--compilation-config is not valid JSON ({exc}); write e.g. "
+                             "'{\"cudagraph_mode\": \"none\"}'") from None
+        if not isinstance(extra, dict):
+            raise ValueError("--compilation-config must be a JSON object of compilation "
+                             "fields")
+        fields.update(extra)
+    return fields
 
 
 def _params(args: argparse.Namespace) -> Any:

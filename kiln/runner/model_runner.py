@@ -2,25 +2,33 @@
 
 It owns the model, the KV cache and persistent input buffers whose addresses never change
 (`input_ids`, `positions`, `slot_mapping`, `block_table`, `query_start_loc`, `seq_lens`);
-each step fills their heads and the model reads slices of them. Logits are computed only
-for each request's last scheduled token, and only when that token completes its prompt or
-is a decode (a prefill chunk that stops short samples nothing).
+each step fills their heads and the model reads slices of them. When the graph dispatcher
+picks a graph, the token count is padded to its size inside these buffers (padding rows:
+slot -1, null block, `is_padding`), so a captured graph always sees the same addresses.
+Logits are computed only for each request's last scheduled token, and only when that
+token completes its prompt or is a decode (a prefill chunk that stops short samples
+nothing).
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from kiln.attention import AttentionMetadata, select_backend
 from kiln.compiler import compile_model
 from kiln.config import CompilationConfig, CompilationMode
-from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
+from kiln.graphs import CUDAGraphMode, capture_phase
 from kiln.models import ModelConfig, build_model
+from kiln.platform import current_platform
 from kiln.runner.buffers import CpuGpuBuffer
+from kiln.runner.cudagraphs import graph_factory, resolve_dispatcher, wrap_full, wrap_pieces
 from kiln.runner.kv_cache import allocate_kv_cache, num_blocks_for
 from kiln.runner.prompt_logprobs import compute_prompt_logprobs
 from kiln.sampling import Sampler, SamplingMetadata, SamplingParams
@@ -72,6 +80,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._alloc_buffers()
+        # Resolved before compiling: a compile size that padding would skip fails fast.
+        self.dispatcher = resolve_dispatcher(compilation, backend_cls, limits.max_num_seqs)
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
         self.compile_backend = None
         if compilation is not None and compilation.mode == CompilationMode.PIECEWISE:
@@ -79,6 +89,10 @@ class ModelRunner:
                 self.model, compilation, dtype, device, limits.max_num_batched_tokens,
                 progress)
             self._compile_now()
+        self.graph_capture_s = 0.0
+        if self.dispatcher.mode:
+            self._install_graphs(compilation.graph_backend)
+            self.capture_model(progress)
 
     @torch.inference_mode()
     def _compile_now(self) -> None:
@@ -92,6 +106,57 @@ class ModelRunner:
             with set_forward_context(ctx):
                 self.forward(self.input_ids.device[:n], self.positions.device[:n])
 
+    # ---- graphs --------------------------------------------------------------------------
+    def _install_graphs(self, graph_backend: str) -> None:
+        factory = graph_factory(graph_backend)
+        self.graph_wrappers = []
+        if self.dispatcher.mode.has_piecewise_cudagraphs():
+            self.graph_wrappers += wrap_pieces(self.compile_backend.split_gm, factory)
+        if self.dispatcher.mode.has_full_cudagraphs():
+            self.forward = wrap_full(self.forward, factory)
+            self.graph_wrappers.append(self.forward)
+
+    @torch.inference_mode()
+    def capture_model(self, progress: bool = False) -> int:
+        """Capture every key the dispatcher hands out, largest first per mode, before the
+        first request; serving never captures."""
+        start = time.perf_counter()
+        warmups = current_platform(self.device).graph_warmups
+        count = 0
+        with capture_phase():
+            for mode, descs in self.dispatcher.capture_descriptors():
+                for desc in tqdm(descs, desc=f"capturing {mode} graphs", unit="graph",
+                                 disable=not progress):
+                    for _ in range(warmups):
+                        self._dummy_run(desc, CUDAGraphMode.NONE)
+                    self._dummy_run(desc, mode)
+                    count += 1
+        self.graph_capture_s = time.perf_counter() - start
+        logger.info("captured graphs for %d descriptors (%s, sizes %s) in %.1f s", count,
+                    self.dispatcher.mode, self.dispatcher.capture_sizes, self.graph_capture_s)
+        return count
+
+    def _dummy_run(self, desc: BatchDescriptor, mode: CUDAGraphMode) -> None:
+        """A batch of padding only, shaped like `desc`: every slot is -1 (nothing is
+        written) and every block-table row is the null block."""
+        n = desc.num_tokens
+        num_reqs = desc.num_reqs or 1
+        self.input_ids.np[:n] = 0
+        self.positions.np[:n] = 0
+        self.slot_mapping.np[:n] = -1
+        self.is_padding.np[:n] = True
+        self.query_start_loc.np[0] = 0
+        # Requests 0..R-2 take one token each, the last takes the rest.
+        self.query_start_loc.np[1:num_reqs] = np.arange(1, num_reqs)
+        self.query_start_loc.np[num_reqs] = n
+        self.seq_lens.np[:num_reqs] = np.diff(self.query_start_loc.np[: num_reqs + 1])
+        self.block_table.np[:num_reqs] = 0
+        metadata = self._build_metadata(n, num_reqs, n, n - num_reqs + 1)
+        ctx = ForwardContext(metadata, self.kv_caches, self.attn_backends, desc,
+                             self.is_padding.device[:n], mode)
+        with set_forward_context(ctx):
+            self.forward(self.input_ids.device[:n], self.positions.device[:n])
+
     def _alloc_buffers(self) -> None:
         lim, dev = self.limits, self.device
         max_tokens, max_reqs = lim.max_num_batched_tokens, lim.max_num_seqs
@@ -102,6 +167,7 @@ class ModelRunner:
         self.query_start_loc = CpuGpuBuffer(max_reqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = CpuGpuBuffer(max_reqs, dtype=torch.int32, device=dev)
         self.block_table = CpuGpuBuffer(max_reqs, max_blocks, dtype=torch.int32, device=dev)
+        self.is_padding = CpuGpuBuffer(max_tokens, dtype=torch.bool, device=dev)
         self._arange = np.arange(max(lim.max_model_len, max_tokens) + 1, dtype=np.int64)
 
     # ---- state ---------------------------------------------------------------------------
@@ -129,10 +195,11 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput([], [])
         req_ids = list(so.num_scheduled_tokens)
-        metadata, logits_indices, sample_ids = self._prepare_inputs(req_ids,
-                                                                    so.num_scheduled_tokens)
-        n = metadata.num_actual_tokens
-        ctx = ForwardContext(metadata, self.kv_caches, self.attn_backends)
+        metadata, logits_indices, sample_ids, mode, desc = self._prepare_inputs(
+            req_ids, so.num_scheduled_tokens)
+        n = desc.num_tokens  # padded
+        ctx = ForwardContext(metadata, self.kv_caches, self.attn_backends, desc,
+                             self.is_padding.device[:n], mode)
         with set_forward_context(ctx):
             hidden = self.forward(self.input_ids.device[:n], self.positions.device[:n])
         out = ModelRunnerOutput(req_ids, [])
@@ -146,7 +213,8 @@ class ModelRunner:
         return out
 
     def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]
-                        ) -> tuple[AttentionMetadata, torch.Tensor, list[str]]:
+                        ) -> tuple[AttentionMetadata, torch.Tensor, list[str], CUDAGraphMode,
+                                   BatchDescriptor]:
         bs, num_reqs = self.limits.block_size, len(req_ids)
         qsl, seq_lens, table = self.query_start_loc.np, self.seq_lens.np, self.block_table.np
         table[:num_reqs] = 0  # unused entries point at the null block
@@ -166,20 +234,47 @@ class ModelRunner:
             if end >= len(state.token_ids):
                 logits_indices.append(offset - 1)
                 sample_ids.append(rid)
-        for buf in (self.input_ids, self.positions, self.slot_mapping):
-            buf.copy_to_device(offset)
-        common = AttentionMetadata(
-            num_actual_tokens=offset, num_reqs=num_reqs,
+        max_query_len = max(num_scheduled.values())
+        mode, desc = self.dispatcher.dispatch(offset, uniform_decode=max_query_len == 1)
+        padded = desc.num_tokens
+        # Padding rows: token 0 at position 0, slot -1 (never written), flagged.
+        self.input_ids.np[offset:padded] = 0
+        self.positions.np[offset:padded] = 0
+        self.slot_mapping.np[offset:padded] = -1
+        self.is_padding.np[:offset] = False
+        self.is_padding.np[offset:padded] = True
+        if mode is CUDAGraphMode.FULL:
+            # The graph's attention covers the descriptor's requests: padding requests get
+            # one token (while padded tokens remain), the null block and no writes.
+            for i in range(num_reqs, desc.num_reqs):
+                take = 1 if qsl[i] < padded else 0
+                qsl[i + 1], seq_lens[i] = qsl[i] + take, take
+                table[i] = 0
+            num_reqs, offset_md = desc.num_reqs, padded
+        else:
+            offset_md = offset
+        common = self._build_metadata(offset_md, num_reqs, padded, max_query_len)
+        indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        return (self.attn_backend_cls.build_metadata(common), indices, sample_ids, mode,
+                desc)
+
+    def _build_metadata(self, num_actual_tokens: int, num_reqs: int, num_padded: int,
+                        max_query_len: int) -> AttentionMetadata:
+        """Common metadata as slices of the persistent buffers (fixed addresses: a FULL
+        graph reads them on replay). `slot_mapping` covers the padded rows."""
+        for buf in (self.input_ids, self.positions, self.slot_mapping, self.is_padding):
+            buf.copy_to_device(num_padded)
+        seq_lens = self.seq_lens.np
+        return AttentionMetadata(
+            num_actual_tokens=num_actual_tokens, num_reqs=num_reqs,
             query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
             seq_lens=self.seq_lens.copy_to_device(num_reqs),
             block_table=self.block_table.copy_to_device(num_reqs),
-            slot_mapping=self.slot_mapping.device[:offset],
-            query_start_loc_cpu=qsl[: num_reqs + 1].tolist(),
+            slot_mapping=self.slot_mapping.device[:num_padded],
+            query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1].tolist(),
             seq_lens_cpu=seq_lens[:num_reqs].tolist(),
-            max_query_len=max(num_scheduled.values()), max_seq_len=int(seq_lens[:num_reqs].max()),
-            block_size=bs)
-        indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        return self.attn_backend_cls.build_metadata(common), indices, sample_ids
+            max_query_len=max_query_len, max_seq_len=int(seq_lens[:num_reqs].max()),
+            block_size=self.limits.block_size)
 
     def _sample(self, hidden: torch.Tensor, sample_ids: list[str],
                 out: ModelRunnerOutput) -> dict[str, list[int]]:

@@ -1,0 +1,65 @@
+"""Graph set-up for the runner: resolve the mode against the attention backend, build the
+dispatcher, and wrap the compiled pieces (PIECEWISE) and the whole forward (FULL)."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from torch import fx
+
+from kiln.compiler import PiecewiseBackend
+from kiln.config import CompilationConfig, CompilationMode
+from kiln.graphs import (CpuTestGraph, CUDAGraphMode, CUDAGraphWrapper, CudaGraph,
+                         GraphDispatcher, global_graph_pool, lower_for_attention)
+from kiln.graphs.wrapper import GraphFactory
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_dispatcher(cc: CompilationConfig | None, backend_cls: Any,
+                       max_num_seqs: int) -> GraphDispatcher:
+    """Lower the configured mode to what the attention backend allows (one log line when
+    it changes) and build the dispatcher; rejects compile sizes that padding would skip."""
+    if cc is None or not cc.cudagraph_mode:
+        return GraphDispatcher(CUDAGraphMode.NONE, [], max_num_seqs)
+    requested = CUDAGraphMode.parse(cc.cudagraph_mode)
+    piecewise = cc.mode == CompilationMode.PIECEWISE and bool(cc.splitting_ops)
+    mode = lower_for_attention(requested, backend_cls.cg_support, piecewise)
+    if mode is not requested:
+        why = (f"attention backend {backend_cls.name!r} supports "
+               f"{backend_cls.cg_support.name}")
+        if not piecewise and requested.has_piecewise_cudagraphs():
+            why += "; the model is not compiled in pieces split at attention"
+        logger.info("cudagraph_mode %s lowered to %s: %s", requested, mode, why)
+    return GraphDispatcher(mode, cc.cudagraph_capture_sizes or [], max_num_seqs,
+                           cc.compile_sizes or [])
+
+
+def graph_factory(graph_backend: str) -> GraphFactory:
+    if graph_backend == "cpu_test":
+        return CpuTestGraph
+    pool = global_graph_pool()
+    check = logger.isEnabledFor(logging.DEBUG)  # address checks cost a little per replay
+    return lambda name: CudaGraph(pool, name, check)
+
+
+def wrap_pieces(split_gm: fx.GraphModule, factory: GraphFactory) -> list[CUDAGraphWrapper]:
+    """One PIECEWISE wrapper per piece position, in call order.
+
+    Identical pieces share one compiled `PiecewiseBackend`, but each position captures its
+    own graphs (its inputs live at other addresses). Only the last piece's output may be
+    weakly referenced inside its capture: every other output is read by the next graph.
+    """
+    calls = [n.target for n in split_gm.graph.nodes if n.op == "call_module"
+             and isinstance(split_gm.__dict__.get(n.target), PiecewiseBackend)]
+    wrappers = []
+    for i, name in enumerate(calls):
+        wrapper = CUDAGraphWrapper(split_gm.__dict__[name], CUDAGraphMode.PIECEWISE, factory,
+                                   name=name, weak_ref_output=i == len(calls) - 1)
+        split_gm.__dict__[name] = wrapper
+        wrappers.append(wrapper)
+    return wrappers
+
+
+def wrap_full(forward: Callable[..., Any], factory: GraphFactory) -> CUDAGraphWrapper:
+    return CUDAGraphWrapper(forward, CUDAGraphMode.FULL, factory, name="model")
