@@ -21,7 +21,7 @@ class DecodeBatch:
     rows: list[int]  # request rows that decode
     tokens: torch.Tensor  # [R] their query token rows
     table: torch.Tensor  # [R, nb] block ids up to the longest context (0 = null block)
-    mask: torch.Tensor  # [R, 1, 1, nb * block_size] True where a key position is real
+    pad: torch.Tensor  # [R, 1, 1, nb * block_size] True where a key position is not real
 
 
 @dataclass(slots=True)
@@ -45,7 +45,7 @@ class TorchPagedBackend(AttentionBackend):
         qsl = common.query_start_loc_cpu
         rows = [i for i in range(common.num_reqs) if qsl[i + 1] - qsl[i] == 1]
         base = {f.name: getattr(common, f.name) for f in fields(AttentionMetadata)}
-        decode = _decode_batch(common, rows) if len(rows) > 1 else None
+        decode = _decode_batch(common, rows) if rows else None
         return TorchPagedMetadata(**base, decode=decode)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -79,15 +79,21 @@ class TorchPagedBackend(AttentionBackend):
     def _batched_decode(self, q: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, decode: DecodeBatch,
                         out: torch.Tensor) -> None:
-        """All single-token rows in one SDPA call over their gathered blocks; the masked
-        tail covers shorter contexts and unused table entries (the null block)."""
-        keys = key_cache[decode.table].flatten(1, 2).transpose(1, 2)  # [R, kv_heads, L, hd]
+        """All single-token rows at once over their gathered blocks; the masked tail covers
+        shorter contexts and unused table entries (the null block). Query heads are grouped
+        by the KV head they share, so GQA needs no copies of K/V (head h reads KV head
+        h // group)."""
+        s = self.spec
+        r, group = len(decode.rows), s.num_heads // s.num_kv_heads
+        # [R, nb, block_size, kv_heads, hd] -> [R, kv_heads, L, hd]
+        keys = key_cache[decode.table].flatten(1, 2).transpose(1, 2)
         values = value_cache[decode.table].flatten(1, 2).transpose(1, 2)
-        query = q[decode.tokens].unsqueeze(2)  # [R, heads, 1, hd]
-        result = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=decode.mask, scale=self.spec.scale,
-            enable_gqa=query.shape[1] != keys.shape[1])
-        out[decode.tokens] = result.squeeze(2)
+        query = q[decode.tokens].view(r, s.num_kv_heads, group, s.head_size)
+        scores = torch.matmul(query, keys.transpose(-1, -2)) * s.scale  # [R, kvh, G, L]
+        probs = scores.masked_fill(decode.pad, float("-inf")).softmax(
+            dim=-1, dtype=torch.float32).to(values.dtype)
+        result = torch.matmul(probs, values)  # [R, kv_heads, G, hd]
+        out[decode.tokens] = result.view(r, s.num_heads, s.head_size)
 
 
 def _decode_batch(md: AttentionMetadata, rows: list[int]) -> DecodeBatch:
@@ -95,19 +101,21 @@ def _decode_batch(md: AttentionMetadata, rows: list[int]) -> DecodeBatch:
     idx = torch.tensor(rows, device=md.block_table.device)
     table = md.block_table[idx, : -(-max_len // md.block_size)].long()
     length = table.shape[1] * md.block_size
-    mask = (torch.arange(length, device=idx.device).unsqueeze(0)
-            < md.seq_lens[idx].unsqueeze(1))[:, None, None, :]
-    return DecodeBatch(rows, md.query_start_loc[idx].long(), table, mask)
+    pad = (torch.arange(length, device=idx.device).unsqueeze(0)
+           >= md.seq_lens[idx].unsqueeze(1))[:, None, None, :]
+    return DecodeBatch(rows, md.query_start_loc[idx].long(), table, pad)
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, slots: torch.Tensor) -> None:
-    """Scatter new K/V rows into their slots; a negative slot marks padding and is skipped."""
+    """Scatter new K/V rows into their slots. A negative slot marks padding: it lands in
+    slot 0 of the null block, which no attention ever reads unmasked, so no boolean
+    selection (and no host sync for its size) is needed."""
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    valid = slots >= 0
-    flat_k[slots[valid]] = key[valid]
-    flat_v[slots[valid]] = value[valid]
+    slots = slots.clamp(min=0)
+    flat_k.index_copy_(0, slots, key)
+    flat_v.index_copy_(0, slots, value)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
