@@ -1,10 +1,10 @@
-"""kiln (-O0) vs transformers `generate` on SmolLM2, side by side in one run.
+"""kiln (-O2 by default, as the CLI) vs transformers `generate` on SmolLM2, side by side.
 
 Workloads: batch 1 (one chat prompt) and 32 requests, each generating exactly
 `--new-tokens` tokens (EOS ignored, so both engines do the same work). Prints tokens/s
 for both and kiln's ratio; `--json PATH` writes the numbers.
 
-    .venv/bin/python benchmarks/compare_hf.py [--dtype float32|bfloat16] [--new-tokens 128]
+    .venv/bin/python benchmarks/compare_hf.py [--dtype float32|bfloat16] [-O 2] [--new-tokens 128]
 """
 from __future__ import annotations
 
@@ -55,13 +55,14 @@ def run_hf(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("-O", dest="level", type=int, default=2, help="kiln's optimization level")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     path = resolve_model(None)
     t0 = time.perf_counter()
-    llm = LLM(str(path), dtype=args.dtype, progress=False)
+    llm = LLM(str(path), dtype=args.dtype, optimization_level=args.level, progress=False)
     kiln_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
