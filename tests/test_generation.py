@@ -162,3 +162,10 @@ def test_n_samples_share_the_prompt_blocks(tiny_models):
     engine.abort_request("a")  # aborting the user request aborts every sample
     assert not engine.has_unfinished_requests()
     assert pool.get_num_free_blocks() == free_before
+    # A sample id that collides with a live request rejects the new request whole.
+    engine.add_request("0_b", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("b", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        done = engine.step()
+    assert [o.request_id for o in done] == ["0_b"]

@@ -9,7 +9,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.detokenizer import token_namer
-from kiln.engine.output_processor import OutputProcessor
+from kiln.engine.output_processor import OutputProcessor, sample_ids
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.setup import (check_kv_capacity, load_tokenizer, resolve_dtype,
@@ -84,6 +84,10 @@ class LLMEngine:
         self._validate_prompt(ids)
         self._validate_token_ids(params)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        taken = [rid for rid in sample_ids(request_id, params.n)
+                 if rid in self.scheduler.requests]
+        if taken:  # e.g. user id "0_x" next to an n>1 request "x": nothing is added
+            raise ValueError(f"request id(s) {taken} are already in use")
         for rid, child in self.output_processor.add(request_id, text, ids, params):
             self.scheduler.add_request(Request(rid, ids, child, eos, priority=priority,
                                                cache_salt=cache_salt,

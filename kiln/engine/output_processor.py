@@ -66,8 +66,8 @@ class OutputProcessor:
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams) -> list[tuple[str, SamplingParams]]:
         """Register a user request; return (scheduler request id, params) per sample."""
-        children = [(request_id, params)] if params.n == 1 else [
-            (f"{i}_{request_id}", params.for_child(i)) for i in range(params.n)]
+        children = [(rid, params if params.n == 1 else params.for_child(i))
+                    for i, rid in enumerate(sample_ids(request_id, params.n))]
         samples = []
         for i, (rid, p) in enumerate(children):
             if i > 0 and p.prompt_logprobs is not None:
@@ -186,6 +186,11 @@ class OutputProcessor:
                                 s.token_ids[start:], s.cumulative_logprob,
                                 s.logprobs[start:] if s.logprobs is not None else None,
                                 s.finish_reason, s.stop_reason)
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """Scheduler ids of a user request's samples: its own id when n == 1."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
 
 
 def _without_prompt_logprobs(params: SamplingParams) -> SamplingParams:
