@@ -100,8 +100,10 @@ def test_streamed_deltas_concatenate_and_never_show_cut_text(llm, prompt, greedy
     tokens: dict[int, list[int]] = {0: [], 1: []}
     logprobs: dict[int, list] = {0: [], 1: []}
     deltas = 0
+    finishes = {0: 0, 1: 0}
     for out in llm.generate_stream(prompt, params):
         for c in out.outputs:
+            finishes[c.index] += c.finish_reason is not None
             streamed[c.index] += c.text
             tokens[c.index] += c.token_ids
             logprobs[c.index] += c.logprobs
@@ -109,6 +111,7 @@ def test_streamed_deltas_concatenate_and_never_show_cut_text(llm, prompt, greedy
             # Held back: nothing shown is ever cut off later.
             assert text[:at].startswith(streamed[c.index])
     assert deltas == len(tokens[0]) + len(tokens[1])  # one delta per sample per token
+    assert finishes == {0: 1, 1: 1}  # each sample reports its finish exactly once
     for c in final.outputs:
         assert streamed[c.index] == c.text == text[:at]
         assert tokens[c.index] == c.token_ids and logprobs[c.index] == c.logprobs

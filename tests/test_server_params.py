@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kiln.engine.output_delta import to_delta
-from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.entrypoints.openai.errors import APIError, from_validation_error
 from kiln.entrypoints.openai.params import to_sampling_params
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -53,26 +51,6 @@ def test_strict_types_and_unknown_fields():
     assert "unknown parameter 'best_guess'" in error('{"prompt": "x", "best_guess": 1}').message
     assert "not valid JSON" in error('{"prompt": ').message
     assert error('{"prompt": 5}').param == "prompt"
-
-
-def test_delta_from_cumulative_outputs():
-    sent: dict = {}
-
-    def out(text: str, ids: list[int], finish: str | None = None) -> RequestOutput:
-        return RequestOutput("r", "p", [1], [CompletionOutput(0, text, ids,
-                                                               finish_reason=finish)],
-                             finish is not None)
-
-    d, n = to_delta(out("He", [5]), sent)
-    assert (d.outputs[0].text, d.outputs[0].token_ids, n) == ("He", [5], 1)
-    d, n = to_delta(out("Hello", [5, 6]), sent)
-    assert (d.outputs[0].text, d.outputs[0].token_ids, n) == ("llo", [6], 1)
-    d, n = to_delta(out("Hello", [5, 6]), sent)  # nothing new: left out
-    assert d.outputs == [] and n == 0
-    d, n = to_delta(out("Hello!", [5, 6, 7], "stop"), sent)
-    assert d.outputs[0].text == "!" and d.outputs[0].finish_reason == "stop"
-    d, _ = to_delta(out("Hello!", [5, 6, 7], "stop"), sent)  # a finish is reported once
-    assert d.outputs == []
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -9,24 +9,23 @@ loop keeps serving HTTP while the model runs.
 
 Output contract: a stream yields DELTA outputs: each `RequestOutput` carries only the
 completions that changed this step, and their `text`, `token_ids` and `logprobs` hold
-just the new part. Requests run with the engine's default (cumulative) output kind and
-the difference is taken here (`output_delta.py`), one place for streaming and metrics
-alike; this works with engines that have no `output_kind` as well as with those that do.
+just the new part, and a completion's finish_reason comes exactly once. The engine shapes
+them itself (`output_kind=DELTA`), so no growing list is copied per step.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.output_delta import SentState, to_delta
 from kiln.engine.outputs import RequestOutput
-from kiln.sampling import SamplingParams
+from kiln.sampling import RequestOutputKind, SamplingParams
 from kiln.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -96,8 +95,6 @@ class _Abort:
 
 
 _STOP = object()
-# The default output kind, where the engine has the field at all.
-_CUMULATIVE = getattr(SamplingParams(), "output_kind", None)
 
 
 @dataclass(slots=True)
@@ -106,8 +103,6 @@ class _Progress:
 
     stream: RequestStream
     arrival: float
-    # completion index -> what was already sent of it
-    sent: dict[int, SentState] = field(default_factory=dict)
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_finished: int = 0
@@ -144,9 +139,8 @@ class AsyncLLMEngine:
         """Queue a request; return its stream once the engine accepted it. A bad request
         raises `ValueError` here (nothing else is affected); a dead engine raises
         `EngineDeadError`."""
-        if getattr(params, "output_kind", None) not in (None, _CUMULATIVE):
-            raise ValueError("output_kind: AsyncLLMEngine streams deltas itself; leave it "
-                             "at RequestOutputKind.CUMULATIVE (the default)")
+        # Streams carry only what is new: the engine shapes each output as a delta.
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self.start()
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error}")
@@ -231,15 +225,15 @@ class AsyncLLMEngine:
             progress = self._progress.get(out.request_id)
             if progress is None:
                 continue  # aborted in the meantime
-            delta, num_new = to_delta(out, progress.sent)
-            self._observe(progress, out, delta, num_new, now)
+            num_new = sum(len(c.token_ids) for c in out.outputs)
+            self._observe(progress, out, num_new, now)
             if out.finished:
                 del self._progress[out.request_id]
-            if delta.outputs or out.finished:
-                self._call(progress.stream._put, delta)
+            if out.outputs or out.finished:
+                self._call(progress.stream._put, out)
 
-    def _observe(self, progress: _Progress, out: RequestOutput, delta: RequestOutput,
-                 num_new: int, now: float) -> None:
+    def _observe(self, progress: _Progress, out: RequestOutput, num_new: int,
+                 now: float) -> None:
         obs = self.observer
         if obs is None:
             return
@@ -251,7 +245,7 @@ class AsyncLLMEngine:
             else:
                 obs.record_tokens(num_new, now - (progress.last_token_time or now))
             progress.last_token_time = now
-        for c in delta.outputs:
+        for c in out.outputs:
             if c.finish_reason is not None:
                 obs.record_finished(c.finish_reason, now - progress.arrival)
 
