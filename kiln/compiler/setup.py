@@ -18,6 +18,7 @@ from kiln.compiler.cache import CompileCache, default_cache_root
 from kiln.compiler.piecewise import Range
 from kiln.compiler.trace_once import TraceOnceModel
 from kiln.config import GRAPH_FIELDS, CompilationConfig
+from kiln.ops import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,8 @@ def source_hash(model: nn.Module) -> str:
     """Hash of the source files Dynamo traces: the model's module classes and kiln's
     attention layer (a code change must never load a stale artifact). Files are named by
     module, not path, so the same code in another checkout or venv hashes alike."""
-    modules = {type(m).__module__ for m in model.modules()} | {"kiln.attention.layer"}
+    modules = {type(m).__module__ for m in model.modules()} | {"kiln.attention.layer",
+                                                               "kiln.ops.linear"}
     h = hashlib.sha256()
     for name in sorted(modules):
         source = inspect.getsourcefile(sys.modules[name])
@@ -52,13 +54,21 @@ def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
     return {"kiln_version": __version__, "model_config": model_config, "dtype": str(dtype),
             "compilation": compilation, "shapes": [str(s) for s in shapes],
             "device": device_description(device), "torch": torch.__version__,
-            "compiler": adaptor_hash, "source": source_hash(model)}
+            "compiler": adaptor_hash, "source": source_hash(model),
+            "cpu_kernels": cpu_kernels.loaded_signature()}
 
 
 def device_description(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+
+
+def cache_root(cc: CompilationConfig | None) -> Path:
+    """The compile cache root; built kernels live there too, beside the graphs calling them."""
+    if cc is not None and cc.cache_dir:
+        return Path(cc.cache_dir).expanduser()
+    return default_cache_root()
 
 
 def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
@@ -68,9 +78,8 @@ def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
     shapes = compile_shapes(cc, max_num_batched_tokens)
     cache = None
     if cc.use_cache:
-        root = Path(cc.cache_dir).expanduser() if cc.cache_dir else default_cache_root()
-        cache = CompileCache(root, cache_factors(model, cc, dtype, device, shapes,
-                                                 adaptor.compute_hash()))
+        cache = CompileCache(cache_root(cc), cache_factors(model, cc, dtype, device, shapes,
+                                                      adaptor.compute_hash()))
         logger.info("compile cache %s", cache.dir)
     backend = KilnBackend(model, adaptor, cc.splitting_ops or [], shapes, cache, progress)
     return TraceOnceModel(model.forward, backend), backend

@@ -6,6 +6,15 @@ import math
 import torch
 from torch import nn
 
+from kiln.ops import linear
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `kiln.ops.linear`, which picks kiln's CPU kernel where it wins."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:

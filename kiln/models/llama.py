@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from kiln.attention import Attention
-from kiln.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from kiln.models.model_config import ModelConfig
 
 ShardSizes = dict[str, tuple[int, int]]  # shard id -> (row offset, rows)
 
 
-class FusedLinear(nn.Linear):
+class FusedLinear(Linear):
     """One GEMM for several checkpoint projections stacked by rows (q|k|v, gate|up).
 
     `weight_loader` copies a checkpoint shard into its row slice. It lives on the module,
@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size, self.head_dim = nh * hd, nkv * hd, hd
         self.qkv_proj = FusedLinear(cfg.hidden_size,
                                     {"q": nh * hd, "k": nkv * hd, "v": nkv * hd}, cfg.qkv_bias)
-        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(nh * hd, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(hd, cfg.max_position_embeddings, cfg.rope_theta,
@@ -77,7 +77,7 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": inter, "up": inter},
                                         bias=False)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -21,11 +21,12 @@ import torch
 from tqdm import tqdm
 
 from kiln.attention import AttentionMetadata, select_backend
-from kiln.compiler import compile_model
+from kiln.compiler import compile_model, default_cache_root
 from kiln.config import CompilationConfig, CompilationMode
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.graphs import CUDAGraphMode, capture_phase
 from kiln.models import ModelConfig, build_model
+from kiln.ops import cpu_kernels
 from kiln.platform import current_platform
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import graph_factory, resolve_dispatcher, wrap_full, wrap_pieces
@@ -63,6 +64,9 @@ class ModelRunner:
                  num_kv_blocks: int | None = None, attention_backend: str | None = None,
                  compilation: CompilationConfig | None = None, progress: bool = True) -> None:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
+        if device.type == "cpu":
+            # Before tracing: whether the graph calls kiln's kernels is decided at trace time.
+            cpu_kernels.ensure_loaded(default_cache_root())
         self.model = build_model(model_config, dtype, device, progress)
         backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device)
         layers = self.model.attention_layers()

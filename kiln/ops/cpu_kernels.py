@@ -1,0 +1,112 @@
+"""Build and load kiln's C++ CPU kernels (`torch.ops.kiln_cpu.*`) once per machine.
+
+The kernels are compiled with the host's g++ the first time a bf16 engine starts on a CPU
+with AVX512-BF16 (about 35 s, shown as one log line), and the shared object is kept in
+the kiln cache directory under a hash of the source, the flags and the torch version, so
+later starts only `dlopen` it. Builds happen in a private temporary directory under a
+file lock and are renamed into place: a killed build leaves no half-written library and
+no stale lock (torch's own JIT loader would wait forever on one).
+
+Anything that prevents the kernels (no AVX512-BF16, no compiler, a failed build,
+`KILN_CPU_KERNELS=0`) leaves `loaded()` False and the engine on `F.linear`: slower,
+never wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("linear_bf16.cpp", "paged_attention.cpp")]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
+LIB_NAME = "kiln_cpu_ops"
+
+_state: dict[str, str | None] = {"signature": None, "reason": "not requested"}
+
+
+def signature() -> str:
+    """What a build depends on; part of the compile-cache key while the kernels are in
+    use, since compiled graphs call them."""
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(repr((CFLAGS, torch.__version__)).encode())
+    return h.hexdigest()[:16]
+
+
+def loaded() -> bool:
+    return _state["signature"] is not None
+
+
+def loaded_signature() -> str | None:
+    return _state["signature"]
+
+
+def unavailable_reason() -> str | None:
+    return None if loaded() else _state["reason"]
+
+
+def host_supports() -> str | None:
+    """None when this host can run the kernels, else why not."""
+    if os.environ.get("KILN_CPU_KERNELS", "1") == "0":
+        return "disabled by KILN_CPU_KERNELS=0"
+    if not torch.cpu._is_avx512_bf16_supported():
+        return "the CPU has no AVX512-BF16"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler on PATH"
+    return None
+
+
+def ensure_loaded(cache_root: Path) -> bool:
+    """Load (building first if needed) the kernels; False, with the reason logged once,
+    when this host cannot have them."""
+    if loaded():
+        return True
+    reason = host_supports()
+    if reason is None:
+        try:
+            _load(cache_root)
+            return True
+        except Exception as exc:  # a failed build costs speed, never correctness
+            reason = f"build failed ({type(exc).__name__}: {str(exc)[:500]})"
+    _state["reason"] = reason
+    logger.info("kiln CPU kernels not used: %s", reason)
+    return False
+
+
+def _load(cache_root: Path) -> None:
+    sig = signature()
+    target = cache_root / "cpu_kernels" / sig / f"{LIB_NAME}.so"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / "build.lock")):
+        if not target.exists():
+            _build(target)
+    torch.ops.load_library(str(target))
+    from kiln.ops.linear import register_fakes
+
+    register_fakes()
+    _state["signature"] = sig
+
+
+def _build(target: Path) -> None:
+    from torch.utils.cpp_extension import load
+
+    logger.info("building kiln's CPU kernels (one-off, about 35 s) into %s", target.parent)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        load(LIB_NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+             extra_ldflags=["-fopenmp"], build_directory=tmp, is_python_module=False,
+             verbose=False)
+        built = Path(tmp) / f"{LIB_NAME}.so"
+        os.replace(built, target)
+    logger.info("built kiln's CPU kernels in %.1f s", time.perf_counter() - start)
