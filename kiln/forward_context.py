@@ -54,9 +54,14 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         raise RuntimeError("set_forward_context() is already active; forward contexts "
                            "do not nest (one model forward at a time)")
     _current = ctx
+    md = ctx.attn_metadata
     try:
+        if md is not None:
+            md.activate(ctx.kv_caches)
         yield ctx
     finally:
+        if md is not None:
+            md.deactivate()
         _current = None
 
 

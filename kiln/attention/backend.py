@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -44,6 +44,13 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
 
+    def activate(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Called as a forward starts with this batch; backends whose layers run outside
+        Python (`native_layer_op`) install the batch here."""
+
+    def deactivate(self) -> None:
+        """Called as that forward ends, even when it raised."""
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayerSpec:
@@ -60,6 +67,10 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     cg_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # False: layers call the Python op `kiln::unified_attention`, which calls `forward`
+    # (and the graph is split around it). True: layers call the backend's own native op,
+    # `kiln_cpu::unified_attention`, which reads the batch that `activate` installed.
+    native_layer_op: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionLayerSpec) -> None:
         self.spec = spec

@@ -19,9 +19,18 @@ class Attention(nn.Module):
                              f"num_key_value_heads={num_kv_heads}")
         self.spec = AttentionLayerSpec(num_heads, num_kv_heads, head_size, scale)
         self.layer_index = layer_index
+        # Set by the runner from the chosen backend before tracing (`native_layer_op`).
+        self.native_op = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, heads * hd], k/v: [T, kv_heads * hd] -> [T, heads * hd]
+        if self.native_op:
+            t, s = q.shape[0], self.spec
+            out3 = q.new_empty((t, s.num_heads, s.head_size))
+            torch.ops.kiln_cpu.unified_attention(
+                q.view(t, s.num_heads, s.head_size), k.view(t, s.num_kv_heads, s.head_size),
+                v.view(t, s.num_kv_heads, s.head_size), out3, self.layer_index, s.scale)
+            return out3.view(t, s.num_heads * s.head_size)
         out = torch.empty_like(q)
         torch.ops.kiln.unified_attention.default(q, k, v, out, self.layer_index)
         return out

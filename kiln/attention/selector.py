@@ -13,6 +13,7 @@ import logging
 import torch
 
 from kiln.attention.backend import AttentionBackend
+from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.triton_paged import TritonPagedBackend
 
@@ -21,13 +22,15 @@ logger = logging.getLogger(__name__)
 BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchPagedBackend.name: TorchPagedBackend,
     TritonPagedBackend.name: TritonPagedBackend,
+    CpuPagedBackend.name: CpuPagedBackend,
 }
 
-# Automatic choice per device type, best first. The CPU keeps torch: interpreted Triton is
-# for tests only and must be asked for by name.
+# Automatic choice per device type, best first. The CPU prefers kiln's C++ kernels and
+# falls back to torch where they cannot be built; interpreted Triton is for tests only and
+# must be asked for by name.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": (TritonPagedBackend.name, TorchPagedBackend.name),
-    "cpu": (TorchPagedBackend.name,),
+    "cpu": (CpuPagedBackend.name, TorchPagedBackend.name),
 }
 
 

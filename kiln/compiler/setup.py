@@ -45,7 +45,8 @@ def source_hash(model: nn.Module) -> str:
 
 
 def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
-                  device: torch.device, shapes: list[Range], adaptor_hash: str) -> dict[str, Any]:
+                  device: torch.device, shapes: list[Range], adaptor_hash: str,
+                  attention_backend: str = "torch") -> dict[str, Any]:
     from kiln import __version__
 
     model_config = {k: v for k, v in dataclasses.asdict(model.config).items() if k != "path"}
@@ -55,7 +56,8 @@ def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
             "compilation": compilation, "shapes": [str(s) for s in shapes],
             "device": device_description(device), "torch": torch.__version__,
             "compiler": adaptor_hash, "source": source_hash(model),
-            "cpu_kernels": cpu_kernels.loaded_signature()}
+            "cpu_kernels": cpu_kernels.loaded_signature(),
+            "attention_backend": attention_backend}
 
 
 def device_description(device: torch.device) -> str:
@@ -73,13 +75,15 @@ def cache_root(cc: CompilationConfig | None) -> Path:
 
 def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
                   device: torch.device, max_num_batched_tokens: int,
-                  progress: bool = True) -> tuple[TraceOnceModel, KilnBackend]:
+                  progress: bool = True, attention_backend: str = "torch"
+                  ) -> tuple[TraceOnceModel, KilnBackend]:
     adaptor = make_adaptor(cc.backend, cc.inductor_options)
     shapes = compile_shapes(cc, max_num_batched_tokens)
     cache = None
     if cc.use_cache:
         cache = CompileCache(cache_root(cc), cache_factors(model, cc, dtype, device, shapes,
-                                                      adaptor.compute_hash()))
+                                                      adaptor.compute_hash(),
+                                                      attention_backend))
         logger.info("compile cache %s", cache.dir)
     backend = KilnBackend(model, adaptor, cc.splitting_ops or [], shapes, cache, progress)
     return TraceOnceModel(model.forward, backend), backend

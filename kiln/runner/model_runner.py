@@ -72,6 +72,8 @@ class ModelRunner:
         layers = self.model.attention_layers()
         self.attn_backend_cls = backend_cls
         self.attn_backends = [backend_cls(layer.spec) for layer in layers]
+        for layer in layers:  # before tracing: the layer's call is fixed in the graph
+            layer.native_op = backend_cls.native_layer_op
         self.kv_spec = FullAttentionSpec(limits.block_size, model_config.num_kv_heads,
                                          model_config.head_dim, dtype)
         self.num_kv_blocks = num_blocks_for(self.kv_spec, len(layers), kv_cache_memory,
@@ -91,7 +93,7 @@ class ModelRunner:
         if compilation is not None and compilation.mode == CompilationMode.PIECEWISE:
             self.forward, self.compile_backend = compile_model(
                 self.model, compilation, dtype, device, limits.max_num_batched_tokens,
-                progress)
+                progress, attention_backend=backend_cls.name)
             self._compile_now()
         self.graph_capture_s = 0.0
         if self.dispatcher.mode:

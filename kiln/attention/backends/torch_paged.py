@@ -1,7 +1,6 @@
 """Pure-PyTorch paged attention: the CPU default and the reference for other backends.
 
-Single-token (decode) rows run in kiln's C++ kernel where it is built (`kiln.ops`), else
-as one batched PyTorch computation over their gathered blocks; the other
+Single-token (decode) rows run as one batched SDPA over their gathered blocks; the other
 rows (prefill chunks, possibly with context) loop on the host, lengths coming from the
 metadata's CPU mirrors, each with a bottom-right-aligned causal mask.
 """
@@ -13,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
-from kiln.ops import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -21,7 +19,6 @@ class DecodeBatch:
     """The single-token rows of a step, prepared once for every layer."""
 
     rows: list[int]  # request rows that decode
-    reqs: torch.Tensor  # [R] int64, the same rows on the device
     tokens: torch.Tensor  # [R] their query token rows
     table: torch.Tensor  # [R, nb] block ids up to the longest context (0 = null block)
     pad: torch.Tensor  # [R, 1, nb * block_size] True where a key position is not real
@@ -61,21 +58,12 @@ class TorchPagedBackend(AttentionBackend):
         k = key[:n].view(n, s.num_kv_heads, s.head_size)
         v = value[:n].view(n, s.num_kv_heads, s.head_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [blocks, block_size, kv_heads, hd]
-        kernels = _kernels_apply(kv_cache, s.head_size)
-        if kernels:
-            torch.ops.kiln_cpu.write_kv(k, v, key_cache, value_cache,
-                                        metadata.slot_mapping[:n])
-        else:
-            write_kv(key_cache, value_cache, k, v, metadata.slot_mapping[:n])
+        write_kv(key_cache, value_cache, k, v, metadata.slot_mapping[:n])
         out = output[:n].view(n, s.num_heads, s.head_size)
         block_size = key_cache.shape[1]
         qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         decode = metadata.decode
-        if decode is not None and kernels:
-            torch.ops.kiln_cpu.paged_decode(out, q, key_cache, value_cache,
-                                            metadata.block_table, metadata.seq_lens,
-                                            metadata.query_start_loc, decode.reqs, s.scale)
-        elif decode is not None:
+        if decode is not None:
             self._batched_decode(q, key_cache, value_cache, decode, out)
         done = set(decode.rows) if decode is not None else set()
         for i in range(metadata.num_reqs):
@@ -112,13 +100,6 @@ class TorchPagedBackend(AttentionBackend):
         out[decode.tokens] = result.view(r, s.num_heads, s.head_size)
 
 
-def _kernels_apply(kv_cache: torch.Tensor, head_size: int) -> bool:
-    """kiln's C++ kernels (when built for this host) cover fp32/bf16 CPU caches with
-    head sizes that are multiples of 16 up to 256; anything else stays on PyTorch ops."""
-    return (kv_cache.device.type == "cpu" and cpu_kernels.loaded() and head_size % 16 == 0
-            and head_size <= 256 and kv_cache.dtype in (torch.float32, torch.bfloat16))
-
-
 def _decode_batch(md: AttentionMetadata, rows: list[int]) -> DecodeBatch:
     max_len = max(md.seq_lens_cpu[i] for i in rows)
     idx = torch.tensor(rows, device=md.block_table.device)
@@ -126,7 +107,7 @@ def _decode_batch(md: AttentionMetadata, rows: list[int]) -> DecodeBatch:
     length = table.shape[1] * md.block_size
     pad = (torch.arange(length, device=idx.device).unsqueeze(0)
            >= md.seq_lens[idx].unsqueeze(1))[:, None, :]
-    return DecodeBatch(rows, idx, md.query_start_loc[idx].long(), table, pad)
+    return DecodeBatch(rows, md.query_start_loc[idx].long(), table, pad)
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,

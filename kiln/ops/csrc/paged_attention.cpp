@@ -1,15 +1,21 @@
-// kiln_cpu::write_kv and kiln_cpu::paged_decode — the torch backend's hot path in C++.
+// kiln_cpu::unified_attention — the "cpu" attention backend, one C++ call per layer.
 //
-// Why: a decode step attends one query row per request over a short paged context. In
-// PyTorch that is a gather copy plus ~20 small ops per layer (tiny bf16 bmm calls cost
-// ~70 us each here), which made attention the largest item of a batch-1 decode step.
-// These kernels read K/V straight from the paged cache, in place.
+// Why: in PyTorch, decode attention is a gather copy plus ~20 small ops per layer (tiny
+// bf16 bmm calls cost ~70 us each here), and the Python around it another ~100 us; that
+// made attention the largest item of a batch-1 decode step. Here single-token rows read
+// K/V straight from the paged cache, and the op needs no Python at all, so on the CPU the
+// model compiles into one Inductor graph that calls it like any other extern kernel.
 //
-// Layouts (the backend's): key/value cache [blocks, block_size, kv_heads, head_size],
-// contiguous; q/out rows [tokens, heads, head_size] with unit stride in head_size;
-// block_table [reqs, max_blocks] int32; seq_lens, query_start_loc int32; decode_reqs
-// int64 (the requests whose single query token is attended here). Scores, softmax and
-// the weighted sum run in fp32; head_size must be a multiple of 16.
+// The batch layout reaches the op the way vLLM's forward context reaches its attention:
+// the runner installs it (`set_batch`) around each forward, thread-locally, and the op
+// reads it by layer index. With nothing installed (a dummy or tracing run) the op is a
+// no-op, as the Python op is without metadata.
+//
+// Layouts: key/value cache [blocks, block_size, kv_heads, head_size], contiguous; q/out
+// [tokens, heads, head_size]; block_table [reqs, max_blocks], seq_lens and
+// query_start_loc int32; decode_reqs/prefill_reqs int64. Decode rows run in fp32 in the
+// kernel below; prefill rows gather their blocks and call SDPA with a bottom-right
+// causal mask, exactly as the torch backend does.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -118,61 +124,117 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
   });
 }
 
-}  // namespace
 
-void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
-                  const at::Tensor& value_cache, const at::Tensor& block_table,
-                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                  const at::Tensor& decode_reqs, double scale) {
-  const int64_t D = q.size(2), group = q.size(1) / key_cache.size(2);
-  TORCH_CHECK(D % 16 == 0 && D / 16 <= kMaxChunks, "paged_decode: head_size ", D,
-              " must be a multiple of 16 and at most ", 16 * kMaxChunks);
-  TORCH_CHECK(group <= kMaxGroup, "paged_decode: at most ", kMaxGroup,
-              " query heads per KV head");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous(), "paged_decode: unexpected layout");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt &&
-                  decode_reqs.scalar_type() == at::kLong, "paged_decode: index dtypes");
-  if (q.scalar_type() == at::kFloat) {
-    decode_impl<float>(out, q, key_cache, value_cache, block_table, seq_lens,
-                       query_start_loc, decode_reqs, scale);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode: float32 or bfloat16");
-    decode_impl<c10::BFloat16>(out, q, key_cache, value_cache, block_table, seq_lens,
-                               query_start_loc, decode_reqs, scale);
-  }
-}
+struct Batch {
+  bool active = false;
+  std::vector<at::Tensor> kv_caches;  // per layer [2, blocks, block_size, kv_heads, D]
+  at::Tensor slot_mapping, block_table, seq_lens, query_start_loc, decode_reqs, prefill_reqs;
+  int64_t num_tokens = 0;
+};
+
+thread_local Batch batch;
 
 // Copy each token's K and V rows into its cache slot; a negative slot (padding) is skipped.
-void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
-              at::Tensor value_cache, const at::Tensor& slots) {
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous() && slots.scalar_type() == at::kLong,
-              "write_kv: contiguous K/V and int64 slots expected");
-  const int64_t T = slots.size(0);
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+              at::Tensor& value_cache, const at::Tensor& slots, int64_t n) {
   const int64_t row = key_cache.size(2) * key_cache.size(3) * key_cache.element_size();
   const auto* slot = slots.data_ptr<int64_t>();
   const auto* k = static_cast<const char*>(key.data_ptr());
   const auto* v = static_cast<const char*>(value.data_ptr());
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < n; ++t) {
     if (slot[t] < 0) continue;
     std::memcpy(kc + slot[t] * row, k + t * row, row);
     std::memcpy(vc + slot[t] * row, v + t * row, row);
   }
 }
 
+// One request with several query rows: SDPA over its gathered blocks, query row i at
+// absolute position seq_len - q_len + i seeing keys 0..that position.
+void prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
+             const at::Tensor& value_cache, int64_t r, double scale) {
+  const auto* qsl = batch.query_start_loc.data_ptr<int32_t>();
+  const int64_t start = qsl[r], q_len = qsl[r + 1] - qsl[r];
+  const int64_t len = batch.seq_lens.data_ptr<int32_t>()[r];
+  const int64_t block_size = key_cache.size(1);
+  const auto blocks = batch.block_table[r].narrow(0, 0, (len + block_size - 1) / block_size)
+                          .to(at::kLong);
+  auto gather = [&](const at::Tensor& cache) {
+    return cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len).transpose(0, 1);
+  };
+  const auto qr = q.narrow(0, start, q_len).transpose(0, 1);  // [heads, q_len, D]
+  c10::optional<at::Tensor> mask;
+  if (q_len > 1) {
+    const auto opts = at::TensorOptions().dtype(at::kLong);
+    const auto qpos = at::arange(q_len, opts).unsqueeze(1) + (len - q_len);
+    mask = at::arange(len, opts).unsqueeze(0) <= qpos;
+  }
+  const auto res = at::scaled_dot_product_attention(
+      qr, gather(key_cache), gather(value_cache), mask, 0.0, false, scale,
+      q.size(1) != key_cache.size(2));
+  out.narrow(0, start, q_len).copy_(res.transpose(0, 1));
+}
+
+}  // namespace
+
+void set_batch(std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping,
+               at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc,
+               at::Tensor decode_reqs, at::Tensor prefill_reqs, int64_t num_tokens) {
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt &&
+                  slot_mapping.scalar_type() == at::kLong &&
+                  decode_reqs.scalar_type() == at::kLong &&
+                  prefill_reqs.scalar_type() == at::kLong,
+              "set_batch: int32 lengths/tables and int64 slots/request rows expected");
+  batch = Batch{true, std::move(kv_caches), slot_mapping, block_table.contiguous(),
+                seq_lens, query_start_loc, decode_reqs, prefill_reqs, num_tokens};
+}
+
+void clear_batch() { batch = Batch{}; }
+
+void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::Tensor out, int64_t layer, double scale) {
+  if (!batch.active) return;
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(batch.kv_caches.size()),
+              "unified_attention: no KV cache for layer ", layer);
+  const int64_t D = q.size(2), group = q.size(1) / k.size(1);
+  TORCH_CHECK(D % 16 == 0 && D / 16 <= kMaxChunks && group <= kMaxGroup,
+              "unified_attention: head_size must be a multiple of 16 up to ", 16 * kMaxChunks,
+              " with at most ", kMaxGroup, " query heads per KV head");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "unified_attention: unit-stride heads");
+  auto key_cache = batch.kv_caches[layer][0];
+  auto value_cache = batch.kv_caches[layer][1];
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "unified_attention: contiguous KV cache expected");
+  write_kv(k.contiguous(), v.contiguous(), key_cache, value_cache, batch.slot_mapping,
+           batch.num_tokens);
+  if (batch.decode_reqs.numel() > 0) {
+    if (q.scalar_type() == at::kFloat) {
+      decode_impl<float>(out, q, key_cache, value_cache, batch.block_table, batch.seq_lens,
+                         batch.query_start_loc, batch.decode_reqs, scale);
+    } else {
+      TORCH_CHECK(q.scalar_type() == at::kBFloat16, "unified_attention: float32 or bfloat16");
+      decode_impl<c10::BFloat16>(out, q, key_cache, value_cache, batch.block_table,
+                                 batch.seq_lens, batch.query_start_loc, batch.decode_reqs,
+                                 scale);
+    }
+  }
+  const auto* rows = batch.prefill_reqs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch.prefill_reqs.numel(); ++i)
+    prefill(q, out, key_cache, value_cache, rows[i], scale);
+}
+
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
-  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, Tensor decode_reqs, "
+  // Catch-all kernels: these two only install host state.
+  m.def("set_batch(Tensor[] kv_caches, Tensor slot_mapping, Tensor block_table, "
+        "Tensor seq_lens, Tensor query_start_loc, Tensor decode_reqs, Tensor prefill_reqs, "
+        "int num_tokens) -> ()", &set_batch);
+  m.def("clear_batch() -> ()", &clear_batch);
+  m.def("unified_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer, "
         "float scale) -> ()");
-  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
-  m.impl("paged_decode", &paged_decode);
-  m.impl("write_kv", &write_kv);
+  m.impl("unified_attention", &unified_attention);
 }
