@@ -10,10 +10,12 @@ from kiln.ops import linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `kiln.ops.linear`, which picks kiln's CPU kernel where it wins."""
+    """nn.Linear that can run on a prepacked weight (`kiln.ops.linear.pack_linears`)."""
+
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class RMSNorm(nn.Module):

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("linear_bf16.cpp", "paged_attention.cpp")]
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+          "-fopenmp"]
 LIB_NAME = "kiln_cpu_ops"
 
 _state: dict[str, str | None] = {"signature": None, "reason": "not requested"}
@@ -95,6 +96,10 @@ def _load(cache_root: Path) -> None:
     from kiln.ops.linear import register_fakes
 
     register_fakes()
+    # AMX tiles need the kernel's permission per process; without it the kernels use
+    # AVX512-BF16 for small row counts and oneDNN for large ones.
+    torch.ops.kiln_cpu.set_amx(bool(torch.cpu._is_amx_tile_supported() and
+                                    torch.cpu._init_amx()))
     _state["signature"] = sig
 
 

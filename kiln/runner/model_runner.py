@@ -27,6 +27,7 @@ from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_co
 from kiln.graphs import CUDAGraphMode, capture_phase
 from kiln.models import ModelConfig, build_model
 from kiln.ops import cpu_kernels
+from kiln.ops.linear import pack_linears
 from kiln.platform import current_platform
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import graph_factory, resolve_dispatcher, wrap_full, wrap_pieces
@@ -68,6 +69,9 @@ class ModelRunner:
             # Before tracing: whether the graph calls kiln's kernels is decided at trace time.
             cpu_kernels.ensure_loaded(default_cache_root())
         self.model = build_model(model_config, dtype, device, progress)
+        if dtype == torch.bfloat16 and device.type == "cpu":
+            logger.info("packed %d bf16 linear weights for kiln's CPU kernels",
+                        pack_linears(self.model))
         backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device)
         layers = self.model.attention_layers()
         self.attn_backend_cls = backend_cls
