@@ -45,6 +45,17 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0) -> transformers.PreTra
 
 
 @pytest.fixture(scope="session")
+def cpu_kernels_loaded() -> None:
+    """kiln's C++ CPU kernels, built (once per cache) and loaded; skips where this host
+    cannot have them (no AVX512-BF16 or no compiler), where the engine falls back too."""
+    from kiln.compiler import default_cache_root
+    from kiln.ops import cpu_kernels
+
+    if not cpu_kernels.ensure_loaded(default_cache_root()):
+        pytest.skip(f"kiln's CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     """kind -> (directory, transformers model), built once per session."""
     root = tmp_path_factory.mktemp("tiny")

@@ -1,4 +1,5 @@
-"""The PyTorch paged backend against dense causal attention, and the opaque op's contract."""
+"""The PyTorch and C++ (cpu) paged backends against dense causal attention, and the opaque
+op's contract."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 
 from kiln.attention import AttentionLayerSpec, AttentionMetadata
 from kiln.attention.backends import TorchPagedBackend
+from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.forward_context import ForwardContext, get_forward_context, set_forward_context
 
 
@@ -19,12 +21,20 @@ def dense_reference(q, k, v, scale):
     return out.transpose(0, 1)
 
 
+@pytest.fixture(params=["torch", "cpu"])
+def backend_cls(request):
+    if request.param == "cpu":
+        request.getfixturevalue("cpu_kernels_loaded")
+        return CpuPagedBackend
+    return TorchPagedBackend
+
+
 @pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 16), (8, 2, 16), (6, 1, 32)])
-def test_mixed_prefill_and_decode_batch_with_padding(heads, kv_heads, block_size):
+def test_mixed_prefill_and_decode_batch_with_padding(heads, kv_heads, block_size, backend_cls):
     torch.manual_seed(0)
     D, num_blocks = 16, 40
     spec = AttentionLayerSpec(heads, kv_heads, D, D ** -0.5)
-    backend = TorchPagedBackend(spec)
+    backend = backend_cls(spec)
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, D)
     # (context already cached, new tokens): a fresh prefill, a chunk with context, decodes.
     shapes = [(0, 13), (20, 7), (37, 1), (5, 1)]

@@ -14,13 +14,29 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
+    """dtype='auto': the checkpoint's dtype, except that float32 checkpoints run in bfloat16
+    where the device computes bfloat16 natively (as vLLM downcasts them), and other
+    dtypes run in bfloat16."""
     if config.torch_dtype is not None:
         return config.torch_dtype
     dtype = model_config.checkpoint_dtype
+    if dtype == torch.float32 and fast_bf16(torch.device(config.device)):
+        logger.info("checkpoint dtype float32 -> bfloat16 (dtype='auto'; this device has "
+                    "native bfloat16; pass dtype='float32' to keep float32)")
+        return torch.bfloat16
     if dtype not in (torch.float32, torch.bfloat16):
         logger.info("checkpoint dtype %s -> bfloat16 (dtype='auto')", dtype)
         return torch.bfloat16
     return dtype
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """bfloat16 matmuls in hardware: AVX512-BF16 or AMX on a CPU, sm80+ on CUDA."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return False
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

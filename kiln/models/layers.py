@@ -12,7 +12,11 @@ from kiln.ops import linear
 class Linear(nn.Linear):
     """nn.Linear that can run on a prepacked weight (`kiln.ops.linear.pack_linears`)."""
 
-    packed_weight: torch.Tensor | None = None
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        # A buffer, so the traced graph names it like the weight (a warm start rebuilds
+        # the graph from module paths); not persistent, as checkpoints hold `weight`.
+        self.register_buffer("packed_weight", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)

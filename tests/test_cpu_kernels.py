@@ -1,0 +1,125 @@
+"""kiln's C++ CPU kernels (kiln/ops/csrc) against PyTorch references.
+
+Every path is exercised on hosts that can build the kernels: the AMX tiles and, with AMX
+switched off for the test, the AVX512-BF16 GEMV and the oneDNN fallback above 4 rows.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_batches import make_batch, random_shapes, run_backend
+from kiln.attention import AttentionLayerSpec
+from kiln.attention.backends import TorchPagedBackend
+from kiln.attention.backends.cpu_paged import CpuPagedBackend
+from kiln.attention.selector import select_backend
+from kiln.ops import cpu_kernels
+from kiln.ops.linear import linear, pack, pack_linears
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels_loaded")
+
+
+@pytest.fixture(params=["amx", "no-amx"])
+def amx(request):
+    """Run a test with the AMX path, where the CPU has it, and without it."""
+    on = request.param == "amx"
+    if on and not (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()):
+        pytest.skip("this CPU has no AMX")
+    torch.ops.kiln_cpu.set_amx(on)
+    yield on
+    torch.ops.kiln_cpu.set_amx(bool(torch.cpu._is_amx_tile_supported()
+                                    and torch.cpu._init_amx()))
+
+
+def test_pack_layout_matches_its_definition():
+    w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).to(torch.bfloat16)
+    wp = pack(w)
+    assert wp.shape == (2, 2, 16, 32)
+    for nb, kc, r, n, i in [(0, 0, 0, 0, 0), (1, 0, 3, 5, 1), (1, 1, 15, 15, 1), (0, 1, 7, 2, 0)]:
+        assert wp[nb, kc, r, 2 * n + i] == w[16 * nb + n, 32 * kc + 2 * r + i]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 33, 70])
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (80, 64), (832, 576)])
+def test_linear_packed_matches_fp32_reference(m, n, k, amx):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    for bias in (None, b):
+        got = linear(x, w, bias, pack(w))
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        # bf16 output rounding (2^-8 relative) plus fp32 summation-order noise
+        err = (got.float() - ref).abs().max() / ref.abs().max()
+        assert err < 1e-2, f"relative error {err}"
+
+
+def test_linear_packed_handles_leading_dims_and_empty_batches():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    out = linear(x, w, None, pack(w))
+    assert out.shape == (2, 3, 32)
+    assert torch.allclose(out.float(), F.linear(x.float(), w.float()), atol=0.1, rtol=0.02)
+    assert linear(x[:0, 0], w, None, pack(w)).shape == (0, 32)
+
+
+def test_pack_linears_frees_untied_weights_and_keeps_outputs(tiny_models):
+    from kiln.models import ModelConfig, build_model
+
+    path, _ = tiny_models["llama-tied"]
+    mc = ModelConfig.from_pretrained(path)
+    model = build_model(mc, torch.bfloat16, torch.device("cpu"), progress=False)
+    x = torch.randn(4, mc.hidden_size).to(torch.bfloat16)
+    before = model.compute_logits(x)
+    qkv_rows = model.model.layers[0].self_attn.qkv_proj.weight.shape[0]
+    assert pack_linears(model) == 4 * mc.num_layers + 1
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.numel() == 0  # released: only the packed copy
+    assert layer.self_attn.qkv_proj.packed_weight.shape[0] * 16 == qkv_rows
+    # The tied lm_head keeps the embedding (which the embedding lookup still reads).
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.numel() == mc.vocab_size * mc.hidden_size
+    after = model.compute_logits(x)
+    assert (after.float() - before.float()).abs().max() <= 0.02 * before.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_size,block_size",
+                         [(4, 2, 16, 16), (9, 3, 64, 16), (8, 1, 128, 32), (16, 16, 32, 16)])
+def test_cpu_backend_matches_torch_backend(dtype, tol, heads, kv_heads, head_size,
+                                           block_size):
+    """Mixed prefills, chunks with context and decodes (contexts past 16 keys, so the
+    sixteen-key blocks and their tails both run), padding rows; outputs and caches."""
+    spec = AttentionLayerSpec(heads, kv_heads, head_size, head_size ** -0.5)
+    for seed in range(3):
+        shapes = random_shapes(seed, 7, max_context=90)
+        batch = make_batch(shapes, heads, kv_heads, head_size, block_size, pad=3, seed=seed,
+                           dtype=dtype)
+        out_cpu, cache_cpu = run_backend(CpuPagedBackend, batch, spec)
+        out_ref, cache_ref = run_backend(TorchPagedBackend, batch, spec)
+        n = batch.metadata.num_actual_tokens
+        torch.testing.assert_close(out_cpu[:n], out_ref[:n], atol=tol, rtol=tol)
+        assert torch.equal(cache_cpu, cache_ref)  # same slots written, padding skipped
+        assert out_cpu[n:].isnan().all()  # padding rows untouched
+
+
+def test_cpu_backend_is_the_cpu_default_and_falls_back(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    assert select_backend(None, 64, torch.bfloat16, cpu) is CpuPagedBackend
+    assert select_backend(None, 64, torch.float16, cpu) is TorchPagedBackend
+    monkeypatch.setitem(cpu_kernels._state, "signature", None)
+    monkeypatch.setitem(cpu_kernels._state, "reason", "disabled by KILN_CPU_KERNELS=0")
+    with caplog.at_level("WARNING"):
+        assert select_backend(None, 64, torch.bfloat16, cpu) is TorchPagedBackend
+    assert "KILN_CPU_KERNELS=0" in caplog.text
+    with pytest.raises(ValueError, match="attention_backend='cpu'.*KILN_CPU_KERNELS"):
+        select_backend("cpu", 64, torch.bfloat16, cpu)
+
+
+def test_native_attention_is_a_noop_without_a_batch():
+    q = torch.randn(3, 4, 16)
+    out = torch.full_like(q, 7.0)
+    torch.ops.kiln_cpu.unified_attention(q, q[:, :2], q[:, :2], out, 0, 0.25)
+    assert (out == 7.0).all()
