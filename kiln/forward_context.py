@@ -57,7 +57,7 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
     md = ctx.attn_metadata
     try:
         if md is not None:
-            md.activate(ctx.kv_caches)
+            md.activate(ctx.kv_caches, [b.spec.scale for b in ctx.attn_backends])
         yield ctx
     finally:
         if md is not None:

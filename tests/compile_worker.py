@@ -37,6 +37,7 @@ def main() -> None:
     model, cache_dir = sys.argv[1], sys.argv[2]
     before = compilation_counter.clone()
     llm = LLM(model, optimization_level=1, progress=False, max_model_len=128,
+              dtype="float32", attention_backend="torch",
               max_num_batched_tokens=64, compilation={"cache_dir": cache_dir})
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),

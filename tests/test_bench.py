@@ -106,7 +106,8 @@ def test_kernels_pick_fastest_and_write_tuning_table(tiny, tmp_path, monkeypatch
     assert written["version"] == 1
     assert set(written["devices"][device_name("cpu")]) == ops
     key = next(iter(attention))
-    assert lookup("attention", key, "cpu", path=table)["best"] == "torch"
+    assert lookup("attention", key, "cpu", path=table)["best"] == attention[key]["best"]
+    assert attention[key]["best"] in ("torch", "cpu")
     check_pngs(tmp_path, "kernels_attention.png", "kernels_rope.png")
 
 
@@ -122,7 +123,9 @@ def test_tuning_table_steers_backend_selection(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(BACKENDS, "tuned", Tuned)
     table = tmp_path / "tuning.json"
     monkeypatch.setenv("KILN_TUNING_FILE", str(table))
-    assert select_backend(None, 64, torch.float32, torch.device("cpu")) is TorchPagedBackend
+    # The untuned default: kiln's C++ backend where it is built, else torch.
+    default = select_backend(None, 64, torch.float32, torch.device("cpu"))
+    assert default.name in ("cpu", "torch")
     key = shape_key(phase="decode", batch=8, context=256, heads=9, kv_heads=3, head_size=64,
                     dtype=torch.float32)
     merge_into(table, device_name("cpu"), {"attention": {key: {"best": "tuned", "config": None,
@@ -131,13 +134,13 @@ def test_tuning_table_steers_backend_selection(tmp_path, monkeypatch, caplog):
         assert select_backend(None, 64, torch.float32, torch.device("cpu")) is Tuned
     assert "tuning table" in caplog.text
     # Another head size or dtype was not tuned; a named backend always wins.
-    assert select_backend(None, 32, torch.float32, torch.device("cpu")) is TorchPagedBackend
-    assert select_backend(None, 64, torch.bfloat16, torch.device("cpu")) is TorchPagedBackend
+    assert select_backend(None, 32, torch.float32, torch.device("cpu")) is default
+    assert select_backend(None, 64, torch.bfloat16, torch.device("cpu")) is default
     assert select_backend("torch", 64, torch.float32, torch.device("cpu")) is TorchPagedBackend
     monkeypatch.setattr(Tuned, "supports", classmethod(lambda cls, *a: "not here"))
-    assert select_backend(None, 64, torch.float32, torch.device("cpu")) is TorchPagedBackend
+    assert select_backend(None, 64, torch.float32, torch.device("cpu")) is default
     table.write_text("{not json")  # a broken table is ignored with a warning, never fatal
-    assert select_backend(None, 64, torch.float32, torch.device("cpu")) is TorchPagedBackend
+    assert select_backend(None, 64, torch.float32, torch.device("cpu")) is default
     assert "ignoring the tuning table" in caplog.text
 
 

@@ -15,7 +15,10 @@ def kiln(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 
 def test_generate_streams_with_chat_template(smollm2_dir):
+    # float32: in bfloat16 the first token is a near-tie that flips to "L" (see
+    # ../shared/reference/this-machine.md)
     res = kiln("generate", "--chat", "What is the capital of France?", "--max-tokens", "16",
+               "--dtype", "float32",
                "-O0", "--stream", "--stop", "\n\n")
     assert res.returncode == 0, res.stderr
     assert ">>> What is the capital of France?" in res.stdout and "Paris" in res.stdout

@@ -43,7 +43,8 @@ def test_one_trace_2l_plus_1_pieces_identical_layers_once(four_layers, tmp_path)
                                     num_piecewise_capturable_graphs_seen=5,
                                     num_unique_graphs=3, num_backend_compilations=12,
                                     num_eager_compiles=12, num_inductor_compiles=0):
-        llm = LLM(str(path), optimization_level=1, progress=False, max_model_len=128,
+        llm = LLM(str(path), optimization_level=1, progress=False, dtype="float32",
+                  attention_backend="torch", max_model_len=128,
                   max_num_batched_tokens=64, compilation=comp)
     prompts = random_prompts(5, [3, 8, 21, 1, 40])
     with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0):
@@ -56,7 +57,8 @@ def test_whole_graph_when_splitting_ops_is_empty(four_layers, tmp_path):
     with compilation_counter.expect(num_piecewise_graphs_seen=1,
                                     num_piecewise_capturable_graphs_seen=1,
                                     num_backend_compilations=1):
-        LLM(str(four_layers[0]), optimization_level=1, progress=False, max_model_len=128,
+        LLM(str(four_layers[0]), optimization_level=1, progress=False, dtype="float32",
+            attention_backend="torch", max_model_len=128,
             max_num_batched_tokens=32,
             compilation={"backend": "eager", "splitting_ops": [], "cache_dir": str(tmp_path)})
 
@@ -73,7 +75,8 @@ def test_dispatch_exact_size_wins_then_range_else_error():
 
 
 def test_explicit_compilation_mode_survives_o0(four_layers, tmp_path):
-    llm = LLM(str(four_layers[0]), optimization_level=0, progress=False, max_model_len=64,
+    llm = LLM(str(four_layers[0]), optimization_level=0, progress=False, dtype="float32",
+              attention_backend="torch", max_model_len=64,
               max_num_batched_tokens=16,
               compilation={"mode": 1, "backend": "eager", "cache_dir": str(tmp_path)})
     assert llm.engine.runner.compile_backend is not None
@@ -91,7 +94,8 @@ def _prefill_metadata(n: int, block_size: int) -> AttentionMetadata:
 
 def test_inductor_pieces_match_eager_logits(tiny_models, tmp_path):
     path, hf = tiny_models["qwen3"]
-    llm = LLM(str(path), optimization_level=1, progress=False, max_model_len=128,
+    llm = LLM(str(path), optimization_level=1, progress=False, dtype="float32",
+              attention_backend="torch", max_model_len=128,
               max_num_batched_tokens=64, compilation={"cache_dir": str(tmp_path)})
     runner = llm.engine.runner
     for n in (1, 7, 40):

@@ -111,6 +111,7 @@ class DecodeGraphBackend(TorchPagedBackend):
 
 def make_llm(path, **comp):
     return LLM(str(path), optimization_level=2, progress=False, max_model_len=128,
+               dtype="float32", attention_backend="torch",
                max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64,
                compilation={"backend": "eager", "graph_backend": "cpu_test",
                             "cudagraph_capture_sizes": [1, 2, 4, 8, 16], **comp})

@@ -14,12 +14,14 @@ def llm(smollm2_dir):
 
 
 def test_default_model_answers_and_outputs_have_vllm_fields(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    # The default dtype here is bfloat16, where "capital of France" starts with a near-tie
+    # (see ../shared/reference/this-machine.md); Germany's answer is not close.
+    out = llm.chat([{"role": "user", "content": "What is the capital of Germany?"}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert out.finished and out.error is None
     assert out.prompt.startswith("<|im_start|>") and out.prompt_token_ids[0] == 1
     completion = out.outputs[0]
-    assert "Paris" in completion.text
+    assert "Berlin" in completion.text
     assert completion.finish_reason == "stop" and completion.token_ids[-1] == 2
     assert completion.index == 0
 

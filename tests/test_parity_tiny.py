@@ -13,7 +13,7 @@ LENGTHS = [5, 17, 33, 2, 40, 9]
 
 
 def _kiln_tokens(path, prompts, **engine_kwargs) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(str(path), progress=False, max_model_len=128, **engine_kwargs)
+    llm = LLM(str(path), dtype="float32", progress=False, max_model_len=128, **engine_kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
 

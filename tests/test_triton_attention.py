@@ -131,7 +131,7 @@ def test_refusals_and_selection(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     reason = TritonPagedBackend.supports(64, torch.float32, CPU)
     assert reason is not None and "TRITON_INTERPRET=1" in reason
-    assert select_backend(None, 64, torch.float32, CPU) is TorchPagedBackend
+    assert select_backend(None, 64, torch.float32, CPU).name in ("cpu", "torch")
     with pytest.raises(ValueError, match=r"attention_backend='triton' cannot run here"):
         select_backend("triton", 64, torch.float32, CPU)
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -44,9 +44,10 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
 
-    def activate(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Called as a forward starts with this batch; backends whose layers run outside
-        Python (`native_layer_op`) install the batch here."""
+    def activate(self, kv_caches: Sequence[torch.Tensor], scales: Sequence[float]) -> None:
+        """Called as a forward starts with this batch (with each layer's cache and softmax
+        scale); backends whose layers run outside Python (`native_layer_op`) install the
+        batch here."""
 
     def deactivate(self) -> None:
         """Called as that forward ends, even when it raised."""

@@ -29,7 +29,7 @@ class Attention(nn.Module):
             out3 = q.new_empty((t, s.num_heads, s.head_size))
             torch.ops.kiln_cpu.unified_attention(
                 q.view(t, s.num_heads, s.head_size), k.view(t, s.num_kv_heads, s.head_size),
-                v.view(t, s.num_kv_heads, s.head_size), out3, self.layer_index, s.scale)
+                v.view(t, s.num_kv_heads, s.head_size), out3, self.layer_index)
             return out3.view(t, s.num_heads * s.head_size)
         out = torch.empty_like(q)
         torch.ops.kiln.unified_attention.default(q, k, v, out, self.layer_index)

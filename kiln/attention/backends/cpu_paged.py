@@ -27,8 +27,9 @@ class CpuPagedMetadata(AttentionMetadata):
     decode_reqs: torch.Tensor | None = None  # [R] int64, single-token requests
     prefill_reqs: torch.Tensor | None = None  # [P] int64, the others
 
-    def activate(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        torch.ops.kiln_cpu.set_batch(list(kv_caches), self.slot_mapping, self.block_table,
+    def activate(self, kv_caches: Sequence[torch.Tensor], scales: Sequence[float]) -> None:
+        torch.ops.kiln_cpu.set_batch(list(kv_caches), [float(s) for s in scales],
+                                     self.slot_mapping, self.block_table,
                                      self.seq_lens, self.query_start_loc, self.decode_reqs,
                                      self.prefill_reqs, self.num_actual_tokens)
 
@@ -72,11 +73,11 @@ class CpuPagedBackend(AttentionBackend):
         if not isinstance(metadata, CpuPagedMetadata):
             metadata = self.build_metadata(metadata)
         s, t = self.spec, query.shape[0]
-        metadata.activate([kv_cache])
+        metadata.activate([kv_cache], [s.scale])
         try:
             torch.ops.kiln_cpu.unified_attention(
                 query.view(t, s.num_heads, s.head_size), key.view(t, s.num_kv_heads, s.head_size),
                 value.view(t, s.num_kv_heads, s.head_size), output.view(t, s.num_heads, s.head_size),
-                0, s.scale)
+                0)
         finally:
             metadata.deactivate()

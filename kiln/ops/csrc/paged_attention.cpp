@@ -7,8 +7,8 @@
 // model compiles into one Inductor graph that calls it like any other extern kernel.
 //
 // The batch layout reaches the op the way vLLM's forward context reaches its attention:
-// the runner installs it (`set_batch`) around each forward, thread-locally, and the op
-// reads it by layer index. With nothing installed (a dummy or tracing run) the op is a
+// the runner installs it (`set_batch`, with each layer's KV cache and softmax scale)
+// around each forward, thread-locally, and the op reads it by layer index. With nothing installed (a dummy or tracing run) the op is a
 // no-op, as the Python op is without metadata.
 //
 // Layouts: key/value cache [blocks, block_size, kv_heads, head_size], contiguous; q/out
@@ -186,6 +186,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
 struct Batch {
   bool active = false;
   std::vector<at::Tensor> kv_caches;  // per layer [2, blocks, block_size, kv_heads, D]
+  std::vector<double> scales;          // per layer softmax scale
   at::Tensor slot_mapping, block_table, seq_lens, query_start_loc, decode_reqs, prefill_reqs;
   int64_t num_tokens = 0;
 };
@@ -236,7 +237,8 @@ void prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
 
 }  // namespace
 
-void set_batch(std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping,
+void set_batch(std::vector<at::Tensor> kv_caches, std::vector<double> scales,
+               at::Tensor slot_mapping,
                at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc,
                at::Tensor decode_reqs, at::Tensor prefill_reqs, int64_t num_tokens) {
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -245,17 +247,20 @@ void set_batch(std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping,
                   decode_reqs.scalar_type() == at::kLong &&
                   prefill_reqs.scalar_type() == at::kLong,
               "set_batch: int32 lengths/tables and int64 slots/request rows expected");
-  batch = Batch{true, std::move(kv_caches), slot_mapping, block_table.contiguous(),
+  TORCH_CHECK(scales.size() == kv_caches.size(), "set_batch: one scale per layer");
+  batch = Batch{true, std::move(kv_caches), std::move(scales), slot_mapping,
+                block_table.contiguous(),
                 seq_lens, query_start_loc, decode_reqs, prefill_reqs, num_tokens};
 }
 
 void clear_batch() { batch = Batch{}; }
 
 void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       at::Tensor out, int64_t layer, double scale) {
+                       at::Tensor out, int64_t layer) {
   if (!batch.active) return;
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(batch.kv_caches.size()),
               "unified_attention: no KV cache for layer ", layer);
+  const double scale = batch.scales[layer];
   const int64_t D = q.size(2), group = q.size(1) / k.size(1);
   TORCH_CHECK(D % 16 == 0 && D / 16 <= kMaxChunks && group <= kMaxGroup,
               "unified_attention: head_size must be a multiple of 16 up to ", 16 * kMaxChunks,
@@ -285,12 +290,14 @@ void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   // Catch-all kernels: these two only install host state.
-  m.def("set_batch(Tensor[] kv_caches, Tensor slot_mapping, Tensor block_table, "
+  m.def("set_batch(Tensor[] kv_caches, float[] scales, Tensor slot_mapping, "
+        "Tensor block_table, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor decode_reqs, Tensor prefill_reqs, "
         "int num_tokens) -> ()", &set_batch);
   m.def("clear_batch() -> ()", &clear_batch);
-  m.def("unified_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer, "
-        "float scale) -> ()");
+  // The scale comes with the batch (per layer), not as an argument: Dynamo may turn a
+  // float module attribute into a symbolic input, which a C++ op cannot take.
+  m.def("unified_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
