@@ -44,7 +44,7 @@ def test_bad_flag_is_a_clear_error():
 
 def test_generate_o1_and_cache_commands(smollm2_dir, tmp_path):
     res = kiln("generate", "--chat", "What is the capital of France?", "--max-tokens", "12",
-               "-O1")
+               "-O1", "--dtype", "float32")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     listing = kiln("cache", "verify")

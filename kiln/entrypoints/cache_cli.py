@@ -68,7 +68,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
     bad = 0
     for entry in entries:
         factors = json.loads((entry / FACTORS).read_text())
-        artifacts = sorted((entry / "artifacts").iterdir())
+        # Dot-names are writers' temporary directories: in progress, or left by a killed
+        # process (never loaded; the next writer of that artifact starts afresh).
+        artifacts = sorted(p for p in (entry / "artifacts").iterdir()
+                           if not p.name.startswith("."))
         model = factors.get("model_config", {})
         print(f"{entry.name}  {model.get('architecture')} L={model.get('num_layers')} "
               f"{factors.get('dtype')} shapes={','.join(factors.get('shapes', []))} "

@@ -1,7 +1,7 @@
 """Build and load kiln's C++ CPU kernels (`torch.ops.kiln_cpu.*`) once per machine.
 
-The kernels are compiled with the host's g++ the first time a bf16 engine starts on a CPU
-with AVX512-BF16 (about 35 s, shown as one log line), and the shared object is kept in
+The kernels are compiled with the host's g++ the first time an engine starts on a CPU
+with AVX512-BF16 (about 40 s, shown as one log line), and the shared object is kept in
 the kiln cache directory under a hash of the source, the flags and the torch version, so
 later starts only `dlopen` it. Builds happen in a private temporary directory under a
 file lock and are renamed into place: a killed build leaves no half-written library and
@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -68,7 +69,7 @@ def host_supports() -> str | None:
     return None
 
 
-def ensure_loaded(cache_root: Path) -> bool:
+def ensure_loaded(cache_root: Path, progress: bool = False) -> bool:
     """Load (building first if needed) the kernels; False, with the reason logged once,
     when this host cannot have them."""
     if loaded():
@@ -76,7 +77,7 @@ def ensure_loaded(cache_root: Path) -> bool:
     reason = host_supports()
     if reason is None:
         try:
-            _load(cache_root)
+            _load(cache_root, progress)
             return True
         except Exception as exc:  # a failed build costs speed, never correctness
             reason = f"build failed ({type(exc).__name__}: {str(exc)[:500]})"
@@ -85,13 +86,13 @@ def ensure_loaded(cache_root: Path) -> bool:
     return False
 
 
-def _load(cache_root: Path) -> None:
+def _load(cache_root: Path, progress: bool) -> None:
     sig = signature()
     target = cache_root / "cpu_kernels" / sig / f"{LIB_NAME}.so"
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target.parent / "build.lock")):
         if not target.exists():
-            _build(target)
+            _build(target, progress)
     torch.ops.load_library(str(target))
     from kiln.ops.linear import register_fakes
 
@@ -103,15 +104,23 @@ def _load(cache_root: Path) -> None:
     _state["signature"] = sig
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, progress: bool) -> None:
     from torch.utils.cpp_extension import load
+    from tqdm import tqdm
 
-    logger.info("building kiln's CPU kernels (one-off, about 35 s) into %s", target.parent)
+    logger.info("building kiln's CPU kernels (one-off, about 40 s) into %s", target.parent)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    # The ninja that pip installed sits beside this interpreter, which need not be on PATH.
+    scripts = sysconfig.get_path("scripts")
+    if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp, \
+            tqdm(total=1, desc="building kiln's CPU kernels (once per machine)",
+                 disable=not progress, bar_format="{desc}: {elapsed}") as bar:
         load(LIB_NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
              extra_ldflags=["-fopenmp"], build_directory=tmp, is_python_module=False,
              verbose=False)
+        bar.update()
         built = Path(tmp) / f"{LIB_NAME}.so"
         os.replace(built, target)
     logger.info("built kiln's CPU kernels in %.1f s", time.perf_counter() - start)

@@ -67,7 +67,7 @@ class ModelRunner:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
         if device.type == "cpu":
             # Before tracing: whether the graph calls kiln's kernels is decided at trace time.
-            cpu_kernels.ensure_loaded(default_cache_root())
+            cpu_kernels.ensure_loaded(default_cache_root(), progress)
         self.model = build_model(model_config, dtype, device, progress)
         if dtype == torch.bfloat16 and device.type == "cpu":
             logger.info("packed %d bf16 linear weights for kiln's CPU kernels",
