@@ -39,7 +39,8 @@ def test_shared_prefix_batch_matches_no_caching_and_transformers(tiny):
     system = random_prompts(1, [40], seed=7)[0]
     prompts = [system + tail for tail in random_prompts(5, [3, 9, 17, 1, 6], seed=8)]
     cached = LLM(str(path), dtype="float32", progress=False, max_model_len=128)
-    plain = LLM(str(path), dtype="float32", progress=False, max_model_len=128, enable_prefix_caching=False)
+    plain = LLM(str(path), dtype="float32", progress=False, max_model_len=128,
+                enable_prefix_caching=False)
     first = _run(cached, prompts[:1])  # fills the cache with the shared prefix
     again = _run(cached, prompts)
     stats = cached.engine.get_stats()

@@ -66,13 +66,6 @@ def device_description(device: torch.device) -> str:
     return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
 
 
-def cache_root(cc: CompilationConfig | None) -> Path:
-    """The compile cache root; built kernels live there too, beside the graphs calling them."""
-    if cc is not None and cc.cache_dir:
-        return Path(cc.cache_dir).expanduser()
-    return default_cache_root()
-
-
 def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
                   device: torch.device, max_num_batched_tokens: int,
                   progress: bool = True, attention_backend: str = "torch"
@@ -81,9 +74,9 @@ def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
     shapes = compile_shapes(cc, max_num_batched_tokens)
     cache = None
     if cc.use_cache:
-        cache = CompileCache(cache_root(cc), cache_factors(model, cc, dtype, device, shapes,
-                                                      adaptor.compute_hash(),
-                                                      attention_backend))
+        root = Path(cc.cache_dir).expanduser() if cc.cache_dir else default_cache_root()
+        cache = CompileCache(root, cache_factors(model, cc, dtype, device, shapes,
+                                                 adaptor.compute_hash(), attention_backend))
         logger.info("compile cache %s", cache.dir)
     backend = KilnBackend(model, adaptor, cc.splitting_ops or [], shapes, cache, progress)
     return TraceOnceModel(model.forward, backend), backend

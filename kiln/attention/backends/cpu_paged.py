@@ -52,7 +52,8 @@ class CpuPagedBackend(AttentionBackend):
         if head_size % 16 or head_size > 256:
             return f"head_size {head_size} is not a multiple of 16 up to 256"
         if not cpu_kernels.loaded():
-            return f"kiln's C++ CPU kernels are not available ({cpu_kernels.unavailable_reason()})"
+            reason = cpu_kernels.unavailable_reason()
+            return f"kiln's C++ CPU kernels are not available ({reason})"
         return None
 
     @classmethod
@@ -76,8 +77,9 @@ class CpuPagedBackend(AttentionBackend):
         metadata.activate([kv_cache], [s.scale])
         try:
             torch.ops.kiln_cpu.unified_attention(
-                query.view(t, s.num_heads, s.head_size), key.view(t, s.num_kv_heads, s.head_size),
-                value.view(t, s.num_kv_heads, s.head_size), output.view(t, s.num_heads, s.head_size),
-                0)
+                query.view(t, s.num_heads, s.head_size),
+                key.view(t, s.num_kv_heads, s.head_size),
+                value.view(t, s.num_kv_heads, s.head_size),
+                output.view(t, s.num_heads, s.head_size), 0)
         finally:
             metadata.deactivate()

@@ -10,7 +10,8 @@
 // i.e. for each 16-column block and 32-deep K chunk, one 1 KiB tile whose row r holds the
 // (k, k+1) pairs of 16 output columns. Every block streams contiguously.
 //
-//   * without AMX, up to kGemvRows input rows: AVX512-BF16, each weight tile read once, fp32 sums kept
+//   * without AMX, up to kGemvRows input rows: AVX512-BF16, each weight tile read once,
+//     fp32 sums kept
 //     per output column (no horizontal reductions), prefetching ahead;
 //   * with AMX, any row count: 16x32 x tiles against the weight tiles, fp32 tile accumulators;
 //   * more rows without AMX: the weight is unpacked and at::linear does the GEMM.

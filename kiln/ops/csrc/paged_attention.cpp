@@ -8,8 +8,9 @@
 //
 // The batch layout reaches the op the way vLLM's forward context reaches its attention:
 // the runner installs it (`set_batch`, with each layer's KV cache and softmax scale)
-// around each forward, thread-locally, and the op reads it by layer index. With nothing installed (a dummy or tracing run) the op is a
-// no-op, as the Python op is without metadata.
+// around each forward, thread-locally, and the op reads it by layer index. With nothing
+// installed (a dummy or tracing run) the op is a no-op, as the Python op is without
+// metadata.
 //
 // Layouts: key/value cache [blocks, block_size, kv_heads, head_size], contiguous; q/out
 // [tokens, heads, head_size]; block_table [reqs, max_blocks], seq_lens and
