@@ -89,7 +89,7 @@ def test_kernels_pick_fastest_and_write_tuning_table(tiny, tmp_path, monkeypatch
     r = bench(tmp_path, "kernels", "--model", tiny, "--batch-sizes", "1", "2",
               "--prefill-lens", "8", "--context-len", "20", "--no-compiled", "--iters", "2",
               "--warmup", "1", "--tuning-file", str(table))
-    ops = {"attention", "rms_norm", "rope", "silu_and_mul", "top_k_top_p"}
+    ops = {"linear", "attention", "rms_norm", "rope", "silu_and_mul", "top_k_top_p"}
     assert set(r["best"]) == ops and r["tuning_file"] == str(table)
     broken = [x for x in r["results"] if x["candidate"] == "broken"]
     assert broken and all(not x["ok"] and "wrong result" in x["error"] for x in broken)

@@ -1,7 +1,9 @@
 """kiln's C++ CPU kernels (kiln/ops/csrc) against PyTorch references.
 
 Every path is exercised on hosts that can build the kernels: the AMX tiles and, with AMX
-switched off for the test, the AVX512-BF16 GEMV and the oneDNN fallback above 4 rows.
+switched off for the test, the register-tiled kernel at every row count, in the build for
+this host's ISA class (`vdpbf16ps` with AVX512-BF16, fp32 FMAs with plain AVX512; build
+the other with KILN_CPU_ISA=avx512 on a bf16 host).
 """
 from __future__ import annotations
 
@@ -123,3 +125,15 @@ def test_native_attention_is_a_noop_without_a_batch():
     out = torch.full_like(q, 7.0)
     torch.ops.kiln_cpu.unified_attention(q, q[:, :2], q[:, :2], out, 0)
     assert (out == 7.0).all()
+
+
+def test_isa_class_caps_by_environment(monkeypatch):
+    host = cpu_kernels.host_isa()
+    monkeypatch.setenv("KILN_CPU_ISA", "none")
+    assert cpu_kernels.isa_class() == "none"
+    assert "no AVX512" in cpu_kernels.host_supports()
+    monkeypatch.setenv("KILN_CPU_ISA", "amx")  # a cap never raises the host's class
+    assert cpu_kernels.isa_class() == host
+    monkeypatch.setenv("KILN_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="KILN_CPU_ISA"):
+        cpu_kernels.isa_class()

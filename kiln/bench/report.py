@@ -17,7 +17,8 @@ SCHEMA_VERSION = 1
 
 def device_name(device: str | torch.device = "cpu") -> str:
     """A stable human-readable name for the device: the GPU's name on CUDA, the CPU model
-    (from /proc/cpuinfo, where there is one) otherwise. Tuning tables are keyed by it."""
+    (from /proc/cpuinfo, where there is one) and the ISA class kiln's kernels run at
+    otherwise (KILN_CPU_ISA emulates another host's). Tuning tables are keyed by it."""
     dev = torch.device(device)
     if dev.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(dev)}"
@@ -30,7 +31,9 @@ def device_name(device: str | torch.device = "cpu") -> str:
                     break
     except OSError:
         pass
-    return f"cpu:{model or platform.processor() or platform.machine()}"
+    from kiln.ops.cpu_kernels import isa_class
+
+    return f"cpu:{model or platform.processor() or platform.machine()} [{isa_class()}]"
 
 
 def environment(device: str = "cpu") -> dict[str, Any]:

@@ -40,6 +40,11 @@ def run_kernels_for_model(args: argparse.Namespace) -> dict[str, Any]:
     from kiln.bench.tuning import default_tuning_path
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":  # the packed-linear and cpu-attention candidates need them
+        from kiln.compiler import default_cache_root
+        from kiln.ops import cpu_kernels
+
+        cpu_kernels.ensure_loaded(default_cache_root(), progress=True)
     shapes = model_shapes(args.model, args.dtype, device, args.batch_sizes, args.prefill_lens,
                           args.context_len)
     tuning = None if args.no_write else (args.tuning_file or default_tuning_path())

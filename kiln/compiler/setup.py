@@ -19,6 +19,7 @@ from kiln.compiler.piecewise import Range
 from kiln.compiler.trace_once import TraceOnceModel
 from kiln.config import GRAPH_FIELDS, CompilationConfig
 from kiln.ops import cpu_kernels
+from kiln.ops.linear import plan_signature
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
             "device": device_description(device), "torch": torch.__version__,
             "compiler": adaptor_hash, "source": source_hash(model),
             "cpu_kernels": cpu_kernels.loaded_signature(),
+            "linear_plan": plan_signature(model),
             "attention_backend": attention_backend}
 
 

@@ -15,14 +15,14 @@ logger = logging.getLogger(__name__)
 
 def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
     """dtype='auto': the checkpoint's dtype, except that float32 checkpoints run in bfloat16
-    where the device computes bfloat16 natively (as vLLM downcasts them), and other
+    where bfloat16 runs faster (as vLLM downcasts them; see `fast_bf16`), and other
     dtypes run in bfloat16."""
     if config.torch_dtype is not None:
         return config.torch_dtype
     dtype = model_config.checkpoint_dtype
     if dtype == torch.float32 and fast_bf16(torch.device(config.device)):
-        logger.info("checkpoint dtype float32 -> bfloat16 (dtype='auto'; this device has "
-                    "native bfloat16; pass dtype='float32' to keep float32)")
+        logger.info("checkpoint dtype float32 -> bfloat16 (dtype='auto'; bfloat16 is faster "
+                    "on this device; pass dtype='float32' to keep float32)")
         return torch.bfloat16
     if dtype not in (torch.float32, torch.bfloat16):
         logger.info("checkpoint dtype %s -> bfloat16 (dtype='auto')", dtype)
@@ -31,11 +31,17 @@ def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtyp
 
 
 def fast_bf16(device: torch.device) -> bool:
-    """bfloat16 matmuls in hardware: AVX512-BF16 or AMX on a CPU, sm80+ on CUDA."""
+    """bfloat16 faster than float32 here: sm80+ on CUDA; on a CPU, wherever kiln's
+    kernels run (AMX, AVX512-BF16, and plain AVX512, where their FMA path still halves the
+    weight bytes: measured 1.8x float32 at batch 1 and with 32 requests on an AVX512
+    host without bf16). AVX2-only hosts emulate bf16 in oneDNN: float32 is faster there."""
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        from kiln.compiler import default_cache_root
+        from kiln.ops import cpu_kernels
+
+        return cpu_kernels.ensure_loaded(default_cache_root(), progress=True)
     return False
 
 

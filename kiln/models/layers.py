@@ -17,9 +17,10 @@ class Linear(nn.Linear):
         # A buffer, so the traced graph names it like the weight (a warm start rebuilds
         # the graph from module paths); not persistent, as checkpoints hold `weight`.
         self.register_buffer("packed_weight", None, persistent=False)
+        self.dense_from = 0  # rows from which F.linear on `weight` runs (the plan's choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.dense_from)
 
 
 class RMSNorm(nn.Module):

@@ -1,13 +1,15 @@
 """Build and load kiln's C++ CPU kernels (`torch.ops.kiln_cpu.*`) once per machine.
 
 The kernels are compiled with the host's g++ the first time an engine starts on a CPU
-with AVX512-BF16 (about 40 s, shown as one log line), and the shared object is kept in
+with AVX512 (about 40 s, shown as one log line), for the host's ISA class (`isa_class`:
+AMX, AVX512-BF16 or plain AVX512; see csrc/bf16_isa.h), and the shared object is kept in
 the kiln cache directory under a hash of the source, the flags and the torch version, so
-later starts only `dlopen` it. Builds happen in a private temporary directory under a
+later starts only `dlopen` it. `KILN_CPU_ISA` caps the class, so one host can run the
+paths of the others (`avx512_bf16` on an AMX host is the reference host's path). Builds happen in a private temporary directory under a
 file lock and are renamed into place: a killed build leaves no half-written library and
 no stale lock (torch's own JIT loader would wait forever on one).
 
-Anything that prevents the kernels (no AVX512-BF16, no compiler, a failed build,
+Anything that prevents the kernels (no AVX512, no compiler, a failed build,
 `KILN_CPU_KERNELS=0`) leaves `loaded()` False and the engine on `F.linear`: slower,
 never wrong.
 """
@@ -27,22 +29,57 @@ from filelock import FileLock
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("linear_bf16.cpp", "paged_attention.cpp")]
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
-          "-fopenmp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("linear_bf16.cpp", "paged_attention.cpp")]
+HEADERS = [CSRC / "bf16_isa.h"]
+# The ISA classes, best first, with the instructions each build may use.
+ISA_FLAGS = {
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
+            "-mamx-bf16"],
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"],
+}
+ISA_CLASSES = (*ISA_FLAGS, "avx2", "none")
 LIB_NAME = "kiln_cpu_ops"
 
 _state: dict[str, str | None] = {"signature": None, "reason": "not requested"}
+
+
+def host_isa() -> str:
+    """This CPU's class: 'amx', 'avx512_bf16', 'avx512', 'avx2' or 'none'."""
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "avx512_bf16"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        return "avx512"
+    return "avx2" if capability == "AVX2" else "none"
+
+
+def isa_class() -> str:
+    """The class the kernels are built for: the host's, capped by KILN_CPU_ISA."""
+    host = host_isa()
+    cap = os.environ.get("KILN_CPU_ISA", "").strip().lower()
+    if not cap:
+        return host
+    if cap not in ISA_CLASSES:
+        raise ValueError(f"KILN_CPU_ISA={cap!r} is not an ISA class; use one of "
+                         f"{', '.join(ISA_CLASSES)} (or unset it for this host's, {host!r})")
+    return ISA_CLASSES[max(ISA_CLASSES.index(cap), ISA_CLASSES.index(host))]
+
+
+def cflags(isa: str) -> list[str]:
+    return ["-O3", *ISA_FLAGS[isa], "-fopenmp"]
 
 
 def signature() -> str:
     """What a build depends on; part of the compile-cache key while the kernels are in
     use, since compiled graphs call them."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
-    h.update(repr((CFLAGS, torch.__version__)).encode())
+    h.update(repr((cflags(isa_class()), torch.__version__)).encode())
     return h.hexdigest()[:16]
 
 
@@ -62,8 +99,9 @@ def host_supports() -> str | None:
     """None when this host can run the kernels, else why not."""
     if os.environ.get("KILN_CPU_KERNELS", "1") == "0":
         return "disabled by KILN_CPU_KERNELS=0"
-    if not torch.cpu._is_avx512_bf16_supported():
-        return "the CPU has no AVX512-BF16"
+    isa = isa_class()
+    if isa not in ISA_FLAGS:
+        return f"the CPU has no AVX512 (ISA class {isa!r}; KILN_CPU_ISA may cap it)"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler on PATH"
     return None
@@ -97,10 +135,9 @@ def _load(cache_root: Path, progress: bool) -> None:
     from kiln.ops.linear import register_fakes
 
     register_fakes()
-    # AMX tiles need the kernel's permission per process; without it the kernels use
-    # AVX512-BF16 for small row counts and oneDNN for large ones.
-    torch.ops.kiln_cpu.set_amx(bool(torch.cpu._is_amx_tile_supported() and
-                                    torch.cpu._init_amx()))
+    # AMX tiles need the kernel's permission per process; without it (or in a build for
+    # another class) the register-tiled kernel runs at every row count.
+    torch.ops.kiln_cpu.set_amx(isa_class() == "amx" and bool(torch.cpu._init_amx()))
     _state["signature"] = sig
 
 
@@ -117,7 +154,7 @@ def _build(target: Path, progress: bool) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp, \
             tqdm(total=1, desc="building kiln's CPU kernels (once per machine)",
                  disable=not progress, bar_format="{desc}: {elapsed}") as bar:
-        load(LIB_NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+        load(LIB_NAME, sources=[str(s) for s in SOURCES], extra_cflags=cflags(isa_class()),
              extra_ldflags=["-fopenmp"], build_directory=tmp, is_python_module=False,
              verbose=False)
         bar.update()

@@ -1,17 +1,22 @@
 """Linear layers over kiln's prepacked bf16 weights (see csrc/linear_bf16.cpp).
 
-`pack_linears(model)` runs once after loading: every `kiln.models.layers.Linear` whose
-weight is bf16 on the CPU, with N % 16 == 0 and K % 32 == 0, gets `packed_weight` (the
-tile layout the kernel streams), and its unpacked weight is released unless another
-module shares it (a tied lm_head keeps the embedding). Everything else stays on F.linear.
+`pack_linears(model, plans)` runs once after loading: every `kiln.models.layers.Linear`
+whose weight is bf16 on the CPU, with N % 16 == 0 and K % 32 == 0, and whose plan
+(linear_plan.py: the tuning table's winners, else packed everywhere) says so, gets
+`packed_weight` (the tile layout the kernel streams). Its unpacked weight is released
+unless another module shares it (a tied lm_head keeps the embedding) or the plan runs
+F.linear from some row count on (`dense_from`). Everything else stays on F.linear.
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.ops import cpu_kernels
+from kiln.ops.linear_plan import DEFAULT, LinearPlan
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -28,16 +33,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, dense_from: int = 0) -> torch.Tensor:
+    """x @ weight.T + bias; over `packed` when the layer has it, with F.linear on the
+    plain `weight` (kept for the purpose) from `dense_from` rows on when that is set."""
     if packed is None:
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
-    out = torch.ops.kiln_cpu.linear_packed(x.reshape(-1, x.shape[-1]), packed, bias)
+    out = torch.ops.kiln_cpu.linear_packed(x.reshape(-1, x.shape[-1]), packed, bias,
+                                           weight if dense_from else None, dense_from)
     return out.view(*lead, out.shape[-1])
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every eligible kiln Linear in place; returns how many were packed."""
+def pack_linears(model: nn.Module,
+                 plans: dict[tuple[int, int], LinearPlan] | None = None) -> int:
+    """Pack every eligible kiln Linear in place, as `plans` ({(n, k): plan}, default:
+    packed at every row count) say; returns how many were packed."""
     from kiln.models.layers import Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -46,19 +56,32 @@ def pack_linears(model: nn.Module) -> int:
         owners[id(p)] = owners.get(id(p), 0) + 1
     count = 0
     for m in linears:
-        if not packable(m.weight):
+        plan = (plans or {}).get(tuple(m.weight.shape), DEFAULT)
+        if not (plan.pack and packable(m.weight)):
             continue
         m.packed_weight = pack(m.weight.detach())
-        if owners[id(m.weight)] == 1:  # nobody else reads it: free the unpacked copy
+        m.dense_from = plan.dense_from
+        if owners[id(m.weight)] == 1 and not plan.dense_from:  # nobody reads it: free it
             m.weight.data = m.weight.data.new_empty(0)
         count += 1
     return count
+
+
+def plan_signature(model: nn.Module) -> str | None:
+    """What the packing decided, per layer, for the compile-cache key: the compiled graph
+    calls the packed kernel (and passes `dense_from`) only where a layer is packed."""
+    from kiln.models.layers import Linear
+
+    layers = [(name, m.dense_from) for name, m in model.named_modules()
+              if isinstance(m, Linear) and m.packed_weight is not None]
+    return hashlib.sha256(repr(layers).encode()).hexdigest()[:16] if layers else None
 
 
 def register_fakes() -> None:
     """Shape functions for tracing; called once the library defining the ops is loaded."""
 
     @torch.library.register_fake("kiln_cpu::linear_packed")
-    def _linear_packed_fake(x: torch.Tensor, wp: torch.Tensor,
-                            bias: torch.Tensor | None) -> torch.Tensor:
+    def _linear_packed_fake(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None,
+                            dense: torch.Tensor | None = None,
+                            dense_from: int = 0) -> torch.Tensor:
         return x.new_empty((x.shape[0], wp.shape[0] * 16))

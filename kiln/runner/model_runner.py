@@ -28,6 +28,7 @@ from kiln.graphs import CUDAGraphMode, capture_phase
 from kiln.models import ModelConfig, build_model
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import pack_linears
+from kiln.ops.linear_plan import load_plans
 from kiln.platform import current_platform
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import graph_factory, resolve_dispatcher, wrap_full, wrap_pieces
@@ -70,8 +71,11 @@ class ModelRunner:
             cpu_kernels.ensure_loaded(default_cache_root(), progress)
         self.model = build_model(model_config, dtype, device, progress)
         if dtype == torch.bfloat16 and device.type == "cpu":
-            logger.info("packed %d bf16 linear weights for kiln's CPU kernels",
-                        pack_linears(self.model))
+            plans = load_plans(dtype, device)
+            logger.info("packed %d bf16 linear weights for kiln's CPU kernels (%s)",
+                        pack_linears(self.model, plans),
+                        "; ".join(f"{n}x{k}: {p.describe()}" for (n, k), p in plans.items())
+                        or "no tuning table entries: packed at every row count")
         backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device)
         layers = self.model.attention_layers()
         self.attn_backend_cls = backend_cls

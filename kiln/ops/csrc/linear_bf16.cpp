@@ -1,86 +1,111 @@
-// kiln_cpu::linear_packed — y = x @ w.T (+ b) in bf16 over a prepacked weight.
+// kiln_cpu::linear_packed — y = x @ w.T (+ b) in bf16 over a weight packed once at load.
 //
 // Why it exists: oneDNN's bf16 GEMM reorders the whole weight on every call when it is
 // not prepacked, and its bf16 GEMV reaches about half the bandwidth of its fp32 GEMV on
-// these machines; decode-sized linears are memory-bound, so both cost directly.
+// these machines; decode-sized linears are memory-bound, so both cost directly. No path
+// here copies or reformats the weight per call.
 //
-// The weight is packed once at load time (`pack` in kiln/ops/linear.py) into the layout
-// AMX's B tiles read, which also suits AVX512-BF16's `vdpbf16ps`:
+// The weight is packed once (`pack` in kiln/ops/linear.py) into the layout AMX's B tiles
+// read, which also suits AVX512-BF16's `vdpbf16ps`:
 //     wp[N/16, K/32, 16, 32]: wp[nb, kc, r, 2 * n + i] = w[16 * nb + n, 32 * kc + 2 * r + i]
-// i.e. for each 16-column block and 32-deep K chunk, one 1 KiB tile whose row r holds the
-// (k, k+1) pairs of 16 output columns. Every block streams contiguously.
+// i.e. for each 16-column block and 32-deep K chunk, one 1 KiB tile whose row r (one
+// cache line) holds the (k, k+1) pairs of 16 output columns.
 //
-//   * without AMX, up to kGemvRows input rows: AVX512-BF16, each weight tile read once,
-//     fp32 sums kept
-//     per output column (no horizontal reductions), prefetching ahead;
-//   * with AMX, any row count: 16x32 x tiles against the weight tiles, fp32 tile accumulators;
-//   * more rows without AMX: the weight is unpacked and at::linear does the GEMM.
+//   * with AMX (amx builds, when the process may use tiles): 16x32 x tiles against the
+//     weight tiles at every row count, fp32 tile accumulators;
+//   * otherwise a register-blocked kernel: 4 input rows x 4 column blocks of fp32
+//     accumulators, each weight line read once per 4 rows; `vdpbf16ps` where the CPU has
+//     it, two fp32 FMAs per pair where it does not (bf16_isa.h).
 // Accumulation is fp32; each output is rounded to bf16 once, after the bias.
+//
+// A layer may also keep a plain weight for large row counts (`dense`, `dense_from`): the
+// tuning table decides per layer when oneDNN's GEMM beats the packed kernel there.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstring>
+
+#include "bf16_isa.h"
 
 namespace {
 
-// Rows up to which the AVX512-BF16 GEMV runs. With AMX the tiles win even at one row
-// (measured over SmolLM2's 30 layers, interleaved: 9.3 ms vs 11.4 ms at M=1, 15 vs 28 ms
-// at M=4), so the GEMV serves only CPUs without AMX (e.g. Zen 4).
-constexpr int64_t kGemvRows = 4;
+using kiln_isa::load_bf16;
+using kiln_isa::store_bf16;
+
 bool amx_enabled = false;
-constexpr int64_t kAhead = 4;
-inline int64_t gemv_rows() { return amx_enabled ? 0 : kGemvRows; }
+constexpr int64_t kAhead = 4;    // weight chunks prefetched ahead of use
+constexpr int kMR = 4, kNR = 4;  // rows x column blocks per register tile
+// Rows per pass over a thread's columns: the x panel (kMBlock x K bf16) stays in L2 while
+// each weight slice is reused by every row of it.
+constexpr int64_t kMBlock = 256;
 
 inline __m512 bias16(const c10::BFloat16* bias, int64_t n0) {
-  if (bias == nullptr) return _mm512_setzero_ps();
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return bias == nullptr ? _mm512_setzero_ps() : load_bf16(bias + n0);
 }
 
-inline void store_bf16(c10::BFloat16* y, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-// Column block nb for MB input rows (MB a template parameter: accumulators in registers).
-// Two accumulators per row (even/odd tile rows) halve the dependency chain.
-template <int MB>
-void gemv_block(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
-                c10::BFloat16* y, int64_t K, int64_t N, int64_t nb) {
+// Rows m0..m0+MR of x against column blocks nb..nb+NR (accumulators in registers).
+template <int MR, int NR>
+void micro(const uint16_t* x, const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
+           c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t nb) {
   const int64_t chunks = K / 32;
-  const uint16_t* w = wp + nb * chunks * 512;
-  __m512 acc[MB][2];
-  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t kc = 0; kc < chunks; ++kc, w += 512) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + 2048), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 256), _MM_HINT_T0);
+  const uint16_t* w[NR];
+  for (int j = 0; j < NR; ++j) w[j] = wp + (nb + j) * chunks * 512;
+  const uint16_t* xr[MR];
+  const float* xfr[MR];
+  for (int m = 0; m < MR; ++m) {
+    xr[m] = x + (m0 + m) * K;
+    xfr[m] = xf == nullptr ? nullptr : xf + (m0 + m) * K;
+  }
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kc = 0; kc < chunks; ++kc) {
     for (int r = 0; r < 16; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * 32);
-      for (int m = 0; m < MB; ++m) {
-        uint32_t pair;
-        std::memcpy(&pair, x + m * K + kc * 32 + 2 * r, 4);
-        acc[m][r & 1] = _mm512_dpbf16_ps(acc[m][r & 1], (__m512bh)_mm512_set1_epi32(pair), wv);
+      const int64_t off = kc * 512 + r * 32, k = kc * 32 + 2 * r;
+      kiln_isa::WRow wr[NR];
+      for (int j = 0; j < NR; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[j] + off + kAhead * 512), _MM_HINT_T0);
+        wr[j] = kiln_isa::load_wrow(w[j] + off);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const kiln_isa::Pair p = kiln_isa::load_pair(xr[m], xfr[m], k);
+        for (int j = 0; j < NR; ++j) acc[m][j] = kiln_isa::dot(acc[m][j], p, wr[j]);
       }
     }
   }
-  const __m512 b = bias16(bias, nb * 16);
-  for (int m = 0; m < MB; ++m)
-    store_bf16(y + m * N + nb * 16, _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), b));
+  for (int j = 0; j < NR; ++j) {
+    const __m512 b = bias16(bias, (nb + j) * 16);
+    for (int m = 0; m < MR; ++m)
+      store_bf16(y + (m0 + m) * N + (nb + j) * 16, _mm512_add_ps(acc[m][j], b));
+  }
 }
 
-void gemv(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
-          c10::BFloat16* y, int64_t M, int64_t K, int64_t N) {
-  at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      switch (M) {
-        case 1: gemv_block<1>(x, wp, bias, y, K, N, nb); break;
-        case 2: gemv_block<2>(x, wp, bias, y, K, N, nb); break;
-        case 3: gemv_block<3>(x, wp, bias, y, K, N, nb); break;
-        default: gemv_block<4>(x, wp, bias, y, K, N, nb); break;
+using MicroFn = void (*)(const uint16_t*, const float*, const uint16_t*,
+                         const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t, int64_t,
+                         int64_t);
+
+template <int MR>
+constexpr MicroFn kRow[kNR] = {micro<MR, 1>, micro<MR, 2>, micro<MR, 3>, micro<MR, 4>};
+constexpr const MicroFn* kMicro[kMR] = {kRow<1>, kRow<2>, kRow<3>, kRow<4>};
+
+void tile_gemm(const uint16_t* x, const float* xf, const uint16_t* wp,
+               const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K,
+               int64_t N) {
+  // Threads split the column blocks: each weight line is read by one thread only.
+  at::parallel_for(0, N / 16, kNR, [&](int64_t begin, int64_t end) {
+    for (int64_t mb = 0; mb < M; mb += kMBlock) {
+      const int64_t me = std::min(M, mb + kMBlock);
+      for (int64_t nb = begin; nb < end; nb += kNR) {
+        const int64_t nr = std::min<int64_t>(kNR, end - nb);
+        for (int64_t m = mb; m < me; m += kMR)
+          kMicro[std::min<int64_t>(kMR, me - m) - 1][nr - 1](x, xf, wp, bias, y, K, N, m, nb);
       }
     }
   });
 }
 
+#ifdef __AMX_TILE__
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -165,16 +190,13 @@ void amx_gemm(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
     _tile_release();
   });
 }
+#endif
 
 }  // namespace
 
-at::Tensor unpack(const at::Tensor& wp) {
-  const int64_t nb = wp.size(0), kc = wp.size(1);
-  return wp.view({nb, kc, 16, 16, 2}).permute({0, 3, 1, 2, 4}).reshape({nb * 16, kc * 32});
-}
-
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
-                         const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& dense, int64_t dense_from) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 &&
                   x.dim() == 2 && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 32 &&
                   wp.is_contiguous(),
@@ -183,7 +205,9 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
   TORCH_CHECK(x.size(1) == K, "linear_packed: x has ", x.size(1), " columns, weight ", K);
   c10::optional<at::Tensor> b;
   if (bias.has_value() && bias->defined()) b = bias->to(at::kBFloat16).contiguous();
-  if (M > kGemvRows && !amx_enabled) return at::linear(x, unpack(wp), b);
+  if (dense.has_value() && dense->defined() && dense->numel() > 0 && dense_from > 0 &&
+      M >= dense_from)
+    return at::linear(x, *dense, b);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto xc = x.contiguous();
@@ -191,21 +215,36 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
   const auto* wptr = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   const c10::BFloat16* bp = b ? b->data_ptr<c10::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
-  if (M <= gemv_rows()) {
-    gemv(xp, wptr, bp, yp, M, K, N);
-  } else {
+#ifdef __AMX_TILE__
+  if (amx_enabled) {
     amx_gemm(xp, wptr, bp, yp, M, K, N);
+    return y;
   }
+#endif
+  at::Tensor xf;  // the fp32 copy the FMA path broadcasts from
+  if (!kiln_isa::kNativeBf16) xf = xc.to(at::kFloat);
+  tile_gemm(xp, xf.defined() ? xf.data_ptr<float>() : nullptr, wptr, bp, yp, M, K, N);
   return y;
 }
 
 // Python enables AMX for the process first (torch.cpu._init_amx: the kernel must grant
-// the tile state); only then may the AMX path run.
-void set_amx(bool enabled) { amx_enabled = enabled; }
+// the tile state); only then may the AMX path run. Builds without AMX ignore it.
+void set_amx(bool enabled) {
+#ifdef __AMX_TILE__
+  amx_enabled = enabled;
+#else
+  amx_enabled = false;
+  (void)enabled;
+#endif
+}
+
+bool amx_active() { return amx_enabled; }
 
 TORCH_LIBRARY(kiln_cpu, m) {
-  m.def("linear_packed(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
+  m.def("linear_packed(Tensor x, Tensor wp, Tensor? bias, Tensor? dense=None, "
+        "int dense_from=0) -> Tensor");
   m.def("set_amx(bool enabled) -> ()", &set_amx);
+  m.def("amx_active() -> bool", &amx_active);
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

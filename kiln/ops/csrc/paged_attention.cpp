@@ -23,17 +23,14 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_isa.h"
+
 namespace {
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return kiln_isa::load_bf16(p); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
+inline void store16(c10::BFloat16* p, __m512 v) { kiln_isa::store_bf16(p, v); }
 
 constexpr int kMaxChunks = 16;  // head_size <= 256
 constexpr int kMaxGroup = 16;   // query heads per KV head

@@ -1,0 +1,87 @@
+"""Which kernel each linear layer runs, at which row counts: the tuning table decides.
+
+`kiln bench kernels --ops linear` times every candidate per layer shape and row count
+(kiln/bench/cases_linear.py) and writes them to the tuning table. At start-up each bf16
+linear gets a `LinearPlan` from those times: the engine can run kiln's packed kernel and
+PyTorch's GEMM on the plain weight, so a plan says whether the layer is packed and from
+which row count on (if any) the plain weight takes over. Keeping both layouts costs the
+plain weight's memory, so a plan keeps it only where the table shows a row count at which
+F.linear wins and keeps winning above it.
+
+Without table entries for a shape, every ISA class packs at every row count. Measured:
+on AVX512 without bf16 (Ice Lake class, FMA path) the packed kernel beats oneDNN's bf16
+GEMM 3x at every row count from 1 to 512 (`kiln bench kernels --ops linear`); on AMX it
+beat oneDNN at every row count when it was written. AVX512-BF16 without AMX (Zen 4) has not
+been timed by us: run the harness there and the table overrides the default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+PACKED, DENSE = "kiln-packed", "F.linear"
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPlan:
+    pack: bool = True
+    dense_from: int = 0  # rows from which F.linear on the plain weight runs; 0: never
+
+    def describe(self) -> str:
+        if not self.pack:
+            return "F.linear"
+        return "packed" if self.dense_from == 0 else f"packed < {self.dense_from} rows <= F.linear"
+
+
+DEFAULT = LinearPlan()
+
+
+def plan_from_times(times: Mapping[int, Mapping[str, float]]) -> LinearPlan:
+    """A plan from {rows: {candidate: median us}} for one shape (only the candidates the
+    engine can run count)."""
+    winners = []
+    for rows in sorted(times):
+        runnable = {c: t for c, t in times[rows].items() if c in (PACKED, DENSE)}
+        if runnable:
+            winners.append((rows, min(runnable, key=runnable.__getitem__)))
+    if not winners:
+        return DEFAULT
+    if all(w == DENSE for _, w in winners):
+        return LinearPlan(pack=False)
+    dense_from = 0
+    for rows, w in reversed(winners):  # the longest run of F.linear wins at the top
+        if w != DENSE:
+            break
+        dense_from = rows
+    return LinearPlan(pack=True, dense_from=dense_from)
+
+
+def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
+                     ) -> dict[tuple[int, int], LinearPlan]:
+    """{(n, k): plan} from a device's "linear" tuning entries for `dtype`."""
+    from kiln.bench.tuning import parse_key
+
+    name = str(dtype).removeprefix("torch.")
+    times: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
+    for key, entry in entries.items():
+        dims = parse_key(key)
+        if dims.get("dtype") != name or not isinstance(entry, dict):
+            continue
+        try:
+            shape, rows = (int(dims["n"]), int(dims["k"])), int(dims["rows"])
+        except (KeyError, ValueError):
+            continue
+        times.setdefault(shape, {})[rows] = {
+            label.split("[", 1)[0]: us for label, us in entry.get("us", {}).items()}
+    return {shape: plan_from_times(t) for shape, t in times.items()}
+
+
+def load_plans(dtype: torch.dtype, device: torch.device) -> dict[tuple[int, int], LinearPlan]:
+    """The tuning table's plans for this host (empty: the defaults apply)."""
+    from kiln.bench.report import device_name
+    from kiln.bench.tuning import load_tuning
+
+    ops = load_tuning().get("devices", {}).get(device_name(device), {})
+    return plans_from_table(ops.get("linear", {}), dtype)
