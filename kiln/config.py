@@ -138,7 +138,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
-    optimization_level: int = 0
+    optimization_level: int = 2  # as the CLI (and vLLM's LLM, which compiles by default)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

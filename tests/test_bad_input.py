@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(str(tiny_models["llama"][0]), progress=False, max_model_len=64)
+    return LLM(str(tiny_models["llama"][0]), progress=False, optimization_level=0, max_model_len=64)
 
 
 def test_too_long_prompt_is_rejected_alone(llm):
@@ -59,7 +59,7 @@ def test_abort_frees_blocks_and_others_finish(llm):
 
 def test_nonexistent_model_path(tmp_path):
     with pytest.raises(ValueError, match="model"):
-        LLM(str(tmp_path / "nope"), progress=False)
+        LLM(str(tmp_path / "nope"), progress=False, optimization_level=0)
 
 
 def test_unsupported_architecture(tiny_models, tmp_path):
@@ -69,7 +69,7 @@ def test_unsupported_architecture(tiny_models, tmp_path):
     cfg["architectures"] = ["FancyNewForCausalLM"]
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
-        LLM(str(path), progress=False)
+        LLM(str(path), progress=False, optimization_level=0)
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -90,9 +90,9 @@ def test_config_errors_name_the_field(kwargs, field):
 def test_model_dependent_limits_fail_at_startup(tiny_models):
     path = str(tiny_models["llama"][0])
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        LLM(path, progress=False, max_model_len=100000)
+        LLM(path, progress=False, optimization_level=0, max_model_len=100000)
     with pytest.raises(ValueError, match="kv_cache_memory / num_kv_blocks"):
-        LLM(path, progress=False, max_model_len=256, num_kv_blocks=4)
+        LLM(path, progress=False, optimization_level=0, max_model_len=256, num_kv_blocks=4)
 
 
 def test_sampling_params_validation():

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(progress=False)  # model=None: the embedded default
+    return LLM(progress=False, optimization_level=0)  # model=None: the embedded default
 
 
 def test_default_model_answers_and_outputs_have_vllm_fields(llm):

@@ -23,7 +23,7 @@ MAX_NEW = 64
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(str(smollm2_dir), dtype="float32", progress=False)
+    return LLM(str(smollm2_dir), dtype="float32", progress=False, optimization_level=0)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_batch_of_8_chat_prompts_matches_transformers(llm, prompts, references):
 def test_tiny_budget_and_preemption_keep_parity(smollm2_dir, prompts, references):
     # 32 tokens per step forces chunked prefill of every prompt; 20 blocks of 16 tokens
     # cannot hold 8 requests of ~100 tokens at once, so requests are preempted.
-    llm = LLM(str(smollm2_dir), dtype="float32", progress=False, max_num_batched_tokens=32,
+    llm = LLM(str(smollm2_dir), dtype="float32", progress=False, optimization_level=0, max_num_batched_tokens=32,
               num_kv_blocks=20, max_model_len=256)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW),
                         use_tqdm=False)
@@ -74,8 +74,8 @@ def test_prefix_caching_keeps_parity_on_a_shared_system_prompt(smollm2_dir):
     system = ("You are a careful assistant for a pottery studio. You answer briefly, you "
               "never invent facts, and when you do not know something you say so. Kilns, "
               "glazes, clay bodies and firing schedules are your specialty. ") * 2
-    cached = LLM(str(smollm2_dir), dtype="float32", progress=False)
-    plain = LLM(str(smollm2_dir), dtype="float32", progress=False, enable_prefix_caching=False)
+    cached = LLM(str(smollm2_dir), dtype="float32", progress=False, optimization_level=0)
+    plain = LLM(str(smollm2_dir), dtype="float32", progress=False, optimization_level=0, enable_prefix_caching=False)
     prompts = [cached.apply_chat_template([{"role": "system", "content": system},
                                            {"role": "user", "content": q}])
                for q in QUESTIONS[:4]]

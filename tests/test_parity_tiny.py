@@ -13,6 +13,7 @@ LENGTHS = [5, 17, 33, 2, 40, 9]
 
 
 def _kiln_tokens(path, prompts, **engine_kwargs) -> tuple[LLM, list[list[int]]]:
+    engine_kwargs.setdefault("optimization_level", 0)
     llm = LLM(str(path), dtype="float32", progress=False, max_model_len=128, **engine_kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
@@ -57,7 +58,7 @@ def test_bfloat16_agrees_where_fp32_is_decisive(tiny_models):
     the fp32 top-2 logit gap is clear."""
     path, model = tiny_models["llama"]
     prompts = random_prompts(6, LENGTHS, seed=1)
-    llm = LLM(str(path), dtype="bfloat16", progress=False, max_model_len=128)
+    llm = LLM(str(path), dtype="bfloat16", progress=False, optimization_level=0, max_model_len=128)
     assert llm.engine.dtype == torch.bfloat16
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     decisive = 0

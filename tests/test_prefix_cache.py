@@ -38,8 +38,8 @@ def test_shared_prefix_batch_matches_no_caching_and_transformers(tiny):
     path, hf = tiny
     system = random_prompts(1, [40], seed=7)[0]
     prompts = [system + tail for tail in random_prompts(5, [3, 9, 17, 1, 6], seed=8)]
-    cached = LLM(str(path), dtype="float32", progress=False, max_model_len=128)
-    plain = LLM(str(path), dtype="float32", progress=False, max_model_len=128,
+    cached = LLM(str(path), dtype="float32", progress=False, optimization_level=0, max_model_len=128)
+    plain = LLM(str(path), dtype="float32", progress=False, optimization_level=0, max_model_len=128,
                 enable_prefix_caching=False)
     first = _run(cached, prompts[:1])  # fills the cache with the shared prefix
     again = _run(cached, prompts)
@@ -55,7 +55,7 @@ def test_shared_prefix_batch_matches_no_caching_and_transformers(tiny):
 
 def test_full_prompt_hit_still_computes_one_token(tiny):
     path, _ = tiny
-    llm = LLM(str(path), dtype="float32", progress=False, max_model_len=128)
+    llm = LLM(str(path), dtype="float32", progress=False, optimization_level=0, max_model_len=128)
     prompt = random_prompts(1, [33], seed=3)[0]  # 2 full blocks + 1 token
     first = _run(llm, [prompt])
     scheduled = []
@@ -80,13 +80,13 @@ def test_full_prompt_hit_still_computes_one_token(tiny):
 
 def test_priority_policy_runs_in_the_engine(tiny):
     path, _ = tiny
-    llm = LLM(str(path), dtype="float32", progress=False, max_model_len=64, num_kv_blocks=6,
+    llm = LLM(str(path), dtype="float32", progress=False, optimization_level=0, max_model_len=64, num_kv_blocks=6,
               scheduling_policy="priority")
     prompts = random_prompts(4, [20, 20, 20, 20], seed=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                         use_tqdm=False, priority=[3, 0, 2, 1])
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
-    plain = LLM(str(path), dtype="float32", progress=False, max_model_len=64)
+    plain = LLM(str(path), dtype="float32", progress=False, optimization_level=0, max_model_len=64)
     assert [o.outputs[0].token_ids for o in outs] == _run(
         plain, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))

@@ -135,7 +135,7 @@ def test_logprobs_come_from_raw_logits_with_ranks():
 
 
 def test_seed_gives_same_tokens_alone_or_in_a_batch(tiny_models):
-    llm = LLM(str(tiny_models["llama"][0]), progress=False, max_model_len=128)
+    llm = LLM(str(tiny_models["llama"][0]), progress=False, optimization_level=0, max_model_len=128)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(8, [4, 11, 23, 30])]
     seeded = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01, seed=1234, max_tokens=16,
                             ignore_eos=True, repetition_penalty=1.2)

@@ -27,7 +27,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
-                 optimization_level: int = 0, progress: bool = True, **kwargs: Any) -> None:
+                 optimization_level: int = 2, progress: bool = True, **kwargs: Any) -> None:
         config = EngineConfig(model=model, dtype=dtype, optimization_level=optimization_level,
                               **kwargs)
         self.engine = LLMEngine(config, progress=progress)
