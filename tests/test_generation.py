@@ -138,7 +138,7 @@ def test_multibyte_text_and_stop_strings(smollm2_dir, stop, expect):
 
 
 def test_n_samples_share_the_prompt_blocks(tiny_models):
-    config = EngineConfig(model=str(tiny_models["llama"][0]), max_model_len=128, optimization_level=0,
+    config = EngineConfig(model=str(tiny_models["llama"][0]), max_model_len=128,
                           block_size=16, num_kv_blocks=64, optimization_level=0)
     engine = LLMEngine(config, progress=False)
     prompt = random_prompts(1, [40])[0]  # 2 full blocks + 8 tokens

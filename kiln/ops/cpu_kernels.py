@@ -5,9 +5,10 @@ with AVX512 (about 40 s, shown as one log line), for the host's ISA class (`isa_
 AMX, AVX512-BF16 or plain AVX512; see csrc/bf16_isa.h), and the shared object is kept in
 the kiln cache directory under a hash of the source, the flags and the torch version, so
 later starts only `dlopen` it. `KILN_CPU_ISA` caps the class, so one host can run the
-paths of the others (`avx512_bf16` on an AMX host is the reference host's path). Builds happen in a private temporary directory under a
-file lock and are renamed into place: a killed build leaves no half-written library and
-no stale lock (torch's own JIT loader would wait forever on one).
+paths of the others (`avx512_bf16` on an AMX host is the reference host's path). Builds
+happen in a private temporary directory under a file lock and are renamed into place: a
+killed build leaves no half-written library and no stale lock (torch's own JIT loader
+would wait forever on one).
 
 Anything that prevents the kernels (no AVX512, no compiler, a failed build,
 `KILN_CPU_KERNELS=0`) leaves `loaded()` False and the engine on `F.linear`: slower,
