@@ -6,7 +6,8 @@ Candidates, each on a weight laid out once beforehand (never per call):
 
   F.linear          PyTorch's GEMM on the plain weight (oneDNN/MKL; the reference)
   kiln-packed       kiln's packed-tile kernel (bf16; AMX, AVX512-BF16 or AVX512 FMAs)
-  onednn-prepacked  oneDNN's own prepacked layout (`mkldnn._reorder_linear_weight`)
+  onednn-prepacked  oneDNN's own prepacked layout (`mkldnn._reorder_linear_weight`);
+                    bf16 only where oneDNN runs bf16 natively (not on AVX2-only hosts)
   inductor-autotune Inductor max-autotune with freezing: its CPU GEMM templates vs aten
                     (with `compiled`: one compile per shape, so it is slow to tune)
 
@@ -64,6 +65,8 @@ def linear_cases(s: Shapes, compiled: bool) -> list[Case]:
     if s.device.type != "cpu":
         return []  # on CUDA the matmuls are cuBLAS's or Inductor's, tuned by -O3
     g = torch.Generator().manual_seed(0)
+    onednn_prepack = (s.dtype != torch.bfloat16
+                      or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     cases = []
     for kind, (n, k) in layer_shapes(s).items():
         w = (torch.randn(n, k, generator=g) * k ** -0.5).to(s.dtype)
@@ -74,8 +77,10 @@ def linear_cases(s: Shapes, compiled: bool) -> list[Case]:
             if wp is not None:
                 cands.append(Candidate("kiln-packed", lambda x=x, w=w, wp=wp: linear(x, w,
                                                                                     None, wp)))
-            extra: list[tuple[str, Callable[[], Any]]] = [
-                ("onednn-prepacked", lambda w=w, rows=rows: _onednn_prepacked(w, rows))]
+            extra: list[tuple[str, Callable[[], Any]]] = []
+            if onednn_prepack:
+                extra.append(("onednn-prepacked",
+                              lambda w=w, rows=rows: _onednn_prepacked(w, rows)))
             if compiled:
                 extra.append(("inductor-autotune", lambda w=w: _inductor_autotune(w)))
             cands += [Candidate(name, _deferred(make, x)) for name, make in extra]

@@ -1,16 +1,17 @@
 """Build and load kiln's C++ CPU kernels (`torch.ops.kiln_cpu.*`) once per machine.
 
 The kernels are compiled with the host's g++ the first time an engine starts on a CPU
-with AVX512 (about 40 s, shown as one log line), for the host's ISA class (`isa_class`:
-AMX, AVX512-BF16 or plain AVX512; see csrc/bf16_isa.h), and the shared object is kept in
-the kiln cache directory under a hash of the source, the flags and the torch version, so
-later starts only `dlopen` it. `KILN_CPU_ISA` caps the class, so one host can run the
-paths of the others (`avx512_bf16` on an AMX host is the reference host's path). Builds
-happen in a private temporary directory under a file lock and are renamed into place: a
-killed build leaves no half-written library and no stale lock (torch's own JIT loader
-would wait forever on one).
+with AVX2 or AVX512 (about 40 s, shown as one log line), for the host's ISA class
+(`isa_class`: AMX, AVX512-BF16, plain AVX512 or AVX2; see csrc/simd.h), and the shared
+object is kept in the kiln cache directory under a hash of the source, the flags and the
+torch version, so later starts only `dlopen` it. `KILN_CPU_ISA` caps the class, so one
+host can run the paths of the others (`avx512_bf16` on an AMX host is the reference
+host's path, `avx2` on any AVX512 host the AVX2 one). Builds happen in a private
+temporary directory under a file lock and are renamed into place: a killed build leaves
+no half-written library and no stale lock (torch's own JIT loader would wait forever on
+one).
 
-Anything that prevents the kernels (no AVX512, no compiler, a failed build,
+Anything that prevents the kernels (no AVX2, no compiler, a failed build,
 `KILN_CPU_KERNELS=0`) leaves `loaded()` False and the engine on `F.linear`: slower,
 never wrong.
 """
@@ -32,15 +33,16 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("linear_bf16.cpp", "paged_attention.cpp")]
-HEADERS = [CSRC / "bf16_isa.h"]
+HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h")]
 # The ISA classes, best first, with the instructions each build may use.
 ISA_FLAGS = {
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
             "-mamx-bf16"],
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
-ISA_CLASSES = (*ISA_FLAGS, "avx2", "none")
+ISA_CLASSES = (*ISA_FLAGS, "none")
 LIB_NAME = "kiln_cpu_ops"
 
 _state: dict[str, str | None] = {"signature": None, "reason": "not requested"}
@@ -102,7 +104,7 @@ def host_supports() -> str | None:
         return "disabled by KILN_CPU_KERNELS=0"
     isa = isa_class()
     if isa not in ISA_FLAGS:
-        return f"the CPU has no AVX512 (ISA class {isa!r}; KILN_CPU_ISA may cap it)"
+        return f"the CPU has no AVX2 (ISA class {isa!r}; KILN_CPU_ISA may cap it)"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler on PATH"
     return None

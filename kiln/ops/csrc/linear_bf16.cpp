@@ -13,9 +13,10 @@
 //
 //   * with AMX (amx builds, when the process may use tiles): 16x32 x tiles against the
 //     weight tiles at every row count, fp32 tile accumulators;
-//   * otherwise a register-blocked kernel: 4 input rows x 4 column blocks of fp32
-//     accumulators, each weight line read once per 4 rows; `vdpbf16ps` where the CPU has
-//     it, two fp32 FMAs per pair where it does not (bf16_isa.h).
+//   * otherwise a register-blocked kernel: kGemmRows input rows x kGemmBlocks column
+//     blocks of fp32 accumulators (4 x 4 on AVX512, 4 x 1 on AVX2), each weight line read
+//     once per 4 rows; `vdpbf16ps` where the CPU has it, two fp32 FMAs per pair where it
+//     does not (simd.h).
 // Accumulation is fp32; each output is rounded to bf16 once, after the bias.
 //
 // A layer may also keep a plain weight for large row counts (`dense`, `dense_from`): the
@@ -26,22 +27,23 @@
 #include <algorithm>
 #include <cstring>
 
-#include "bf16_isa.h"
+#include "simd.h"
 
 namespace {
 
 using kiln_isa::load_bf16;
 using kiln_isa::store_bf16;
+using kiln_isa::V16;
 
 bool amx_enabled = false;
 constexpr int64_t kAhead = 4;    // weight chunks prefetched ahead of use
-constexpr int kMR = 4, kNR = 4;  // rows x column blocks per register tile
+constexpr int kMR = kiln_isa::kGemmRows, kNR = kiln_isa::kGemmBlocks;  // register tile
 // Rows per pass over a thread's columns: the x panel (kMBlock x K bf16) stays in L2 while
 // each weight slice is reused by every row of it.
 constexpr int64_t kMBlock = 256;
 
-inline __m512 bias16(const c10::BFloat16* bias, int64_t n0) {
-  return bias == nullptr ? _mm512_setzero_ps() : load_bf16(bias + n0);
+inline V16 bias16(const c10::BFloat16* bias, int64_t n0) {
+  return bias == nullptr ? kiln_isa::zero() : load_bf16(bias + n0);
 }
 
 // Rows m0..m0+MR of x against column blocks nb..nb+NR (accumulators in registers).
@@ -57,9 +59,9 @@ void micro(const uint16_t* x, const float* xf, const uint16_t* wp, const c10::BF
     xr[m] = x + (m0 + m) * K;
     xfr[m] = xf == nullptr ? nullptr : xf + (m0 + m) * K;
   }
-  __m512 acc[MR][NR];
+  V16 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[m][j] = kiln_isa::zero();
   for (int64_t kc = 0; kc < chunks; ++kc) {
     for (int r = 0; r < 16; ++r) {
       const int64_t off = kc * 512 + r * 32, k = kc * 32 + 2 * r;
@@ -75,9 +77,9 @@ void micro(const uint16_t* x, const float* xf, const uint16_t* wp, const c10::BF
     }
   }
   for (int j = 0; j < NR; ++j) {
-    const __m512 b = bias16(bias, (nb + j) * 16);
+    const V16 b = bias16(bias, (nb + j) * 16);
     for (int m = 0; m < MR; ++m)
-      store_bf16(y + (m0 + m) * N + (nb + j) * 16, _mm512_add_ps(acc[m][j], b));
+      store_bf16(y + (m0 + m) * N + (nb + j) * 16, kiln_isa::add(acc[m][j], b));
   }
 }
 
@@ -85,9 +87,11 @@ using MicroFn = void (*)(const uint16_t*, const float*, const uint16_t*,
                          const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t, int64_t,
                          int64_t);
 
+// kMicro[rows - 1][blocks - 1]; tile_gemm asks only for tiles up to kMR x kNR.
 template <int MR>
-constexpr MicroFn kRow[kNR] = {micro<MR, 1>, micro<MR, 2>, micro<MR, 3>, micro<MR, 4>};
-constexpr const MicroFn* kMicro[kMR] = {kRow<1>, kRow<2>, kRow<3>, kRow<4>};
+constexpr MicroFn kRow[4] = {micro<MR, 1>, micro<MR, 2>, micro<MR, 3>, micro<MR, 4>};
+constexpr const MicroFn* kMicro[4] = {kRow<1>, kRow<2>, kRow<3>, kRow<4>};
+static_assert(kMR <= 4 && kNR <= 4, "kMicro covers register tiles up to 4 x 4");
 
 void tile_gemm(const uint16_t* x, const float* xf, const uint16_t* wp,
                const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K,
@@ -168,7 +172,7 @@ void amx_tile(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
       const __m512 bv = bias16(bias, (nb + b) * 16);
       for (int64_t i = 0; i < rows[a]; ++i)
         store_bf16(y + (m0 + a * 16 + i) * N + (nb + b) * 16,
-                   _mm512_add_ps(_mm512_load_ps(c[a * 2 + b][i]), bv));
+                   kiln_isa::add(_mm512_load_ps(c[a * 2 + b][i]), bv));
     }
 }
 

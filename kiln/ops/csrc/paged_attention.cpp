@@ -23,58 +23,36 @@
 #include <cstring>
 #include <vector>
 
-#include "bf16_isa.h"
+#include "simd.h"
 
 namespace {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) { return kiln_isa::load_bf16(p); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) { kiln_isa::store_bf16(p, v); }
+using kiln_isa::V16;
+namespace isa = kiln_isa;
+
+inline V16 load16(const float* p) { return isa::loadu(p); }
+inline V16 load16(const c10::BFloat16* p) { return isa::load_bf16(p); }
+inline void store16(float* p, V16 v) { isa::storeu(p, v); }
+inline void store16(c10::BFloat16* p, V16 v) { isa::store_bf16(p, v); }
 
 constexpr int kMaxChunks = 16;  // head_size <= 256
 constexpr int kMaxGroup = 16;   // query heads per KV head
 
 // exp for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on the
-// reduced argument, scaled by 2^n with scalef; about 1 ulp, like the vectorised exp SDPA uses.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
-                                 _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
-}
-
-// v[i] -> lane i of the result holds the sum of v[kBitrev[i]]'s lanes. Four halving
-// stages of two-source permutes; feeding inputs in bit-reversed order makes lane i the
-// sum of input i (the stages deliver sources in bit-reversed lane order).
-constexpr int kBitrev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
-inline __m512 pair_sum(__m512 a, __m512 b, const __m512i& lo, const __m512i& hi) {
-  return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
-}
-
-inline __m512 reduce16(__m512* v) {
-  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-  const __m512i lo3 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-  const __m512i lo4 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-  const __m512i lo[4] = {lo1, lo2, lo3, lo4};
-  const int step[4] = {8, 4, 2, 1};
-  for (int stage = 0, count = 16; stage < 4; ++stage, count /= 2) {
-    const __m512i hi = _mm512_add_epi32(lo[stage], _mm512_set1_epi32(step[stage]));
-    for (int i = 0; i < count / 2; ++i) v[i] = pair_sum(v[2 * i], v[2 * i + 1], lo[stage], hi);
-  }
-  return v[0];
+// reduced argument, scaled by 2^n; about 1 ulp, like the vectorised exp SDPA uses.
+inline V16 exp_nonpositive(V16 x) {
+  x = isa::max(x, isa::set1(-87.3f));
+  const V16 n = isa::round_nearest(isa::mul(x, isa::set1(1.44269504088896341f)));
+  V16 r = isa::fnmadd(n, isa::set1(0.693359375f), x);
+  r = isa::fnmadd(n, isa::set1(-2.12194440e-4f), r);
+  V16 p = isa::set1(1.9875691500E-4f);
+  p = isa::fmadd(p, r, isa::set1(1.3981999507E-3f));
+  p = isa::fmadd(p, r, isa::set1(8.3334519073E-3f));
+  p = isa::fmadd(p, r, isa::set1(4.1665795894E-2f));
+  p = isa::fmadd(p, r, isa::set1(1.6666665459E-1f));
+  p = isa::fmadd(p, r, isa::set1(5.0000001201E-1f));
+  const V16 y = isa::add(isa::fmadd(isa::mul(p, r), r, r), isa::set1(1.f));
+  return isa::scale_pow2(y, n);
 }
 
 // One (request, KV head): the `group` query heads sharing that KV head, in two passes
@@ -86,11 +64,11 @@ void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blo
                 int64_t group, int64_t D, int64_t q_head_stride, float scale,
                 std::vector<float>& scores, std::vector<const T*>& rows) {
   const int64_t chunks = D / 16, padded = (len + 15) / 16 * 16;
-  __m512 qv[kMaxGroup][kMaxChunks];
+  V16 qv[kMaxGroup][kMaxChunks];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c)
-      qv[g][c] = _mm512_mul_ps(load16(q + (head * group + g) * q_head_stride + c * 16),
-                               _mm512_set1_ps(scale));
+      qv[g][c] = isa::mul(load16(q + (head * group + g) * q_head_stride + c * 16),
+                          isa::set1(scale));
   scores.resize(group * padded);
   // Row addresses once, block by block (no per-key division); V rows sit at the same
   // offsets in the value cache.
@@ -104,45 +82,44 @@ void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blo
     const T* keys[16];
     for (int i = 0; i < 16; ++i) keys[i] = j0 + i < len ? rows[j0 + i] : nullptr;
     for (int64_t g = 0; g < group; ++g) {
-      __m512 acc[16];
+      V16 acc[16];  // in reduce16's order, so that lane i of the sums is key j0 + i
       for (int i = 0; i < 16; ++i) {
-        const T* k = keys[kBitrev[i]];
-        acc[i] = _mm512_setzero_ps();
+        const T* k = keys[isa::kReduceOrder[i]];
+        acc[i] = isa::zero();
         if (k == nullptr) continue;
         for (int64_t c = 0; c < chunks; ++c)
-          acc[i] = _mm512_fmadd_ps(qv[g][c], load16(k + c * 16), acc[i]);
+          acc[i] = isa::fmadd(qv[g][c], load16(k + c * 16), acc[i]);
       }
-      _mm512_storeu_ps(scores.data() + g * padded + j0, reduce16(acc));
+      isa::storeu(scores.data() + g * padded + j0, isa::reduce16(acc));
     }
   }
-  const __mmask16 tail = len % 16 ? static_cast<__mmask16>((1u << (len % 16)) - 1) : 0xffff;
+  const isa::Mask16 all = isa::first_lanes(16);
+  const isa::Mask16 tail = isa::first_lanes(len % 16 ? len % 16 : 16);
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * padded;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
+    V16 mx = isa::set1(-INFINITY);
     for (int64_t j = 0; j < padded; j += 16)
-      mx = _mm512_mask_max_ps(mx, j + 16 <= len ? 0xffff : tail, mx, _mm512_loadu_ps(s + j));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
+      mx = isa::max_masked(mx, j + 16 <= len ? all : tail, isa::loadu(s + j));
+    const V16 m = isa::set1(isa::reduce_max(mx));
+    V16 sum = isa::zero();
     for (int64_t j = 0; j < padded; j += 16) {
-      const __mmask16 live = j + 16 <= len ? 0xffff : tail;
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(
-                                                   _mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
-      sum = _mm512_add_ps(sum, e);
-      _mm512_storeu_ps(s + j, e);
+      const isa::Mask16 live = j + 16 <= len ? all : tail;
+      const V16 e = isa::zero_unmasked(live, exp_nonpositive(isa::sub(isa::loadu(s + j), m)));
+      sum = isa::add(sum, e);
+      isa::storeu(s + j, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-    for (int64_t j = 0; j < padded; j += 16)
-      _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+    const V16 inv = isa::set1(1.f / isa::reduce_add(sum));
+    for (int64_t j = 0; j < padded; j += 16) isa::storeu(s + j, isa::mul(isa::loadu(s + j), inv));
   }
-  __m512 acc[kMaxGroup][kMaxChunks];
+  V16 acc[kMaxGroup][kMaxChunks];
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = isa::zero();
   for (int64_t j = 0; j < len; ++j) {
     const T* v = rows[j] + to_value;
     for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 vv = load16(v + c * 16);
+      const V16 vv = load16(v + c * 16);
       for (int64_t g = 0; g < group; ++g)
-        acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * padded + j]), vv, acc[g][c]);
+        acc[g][c] = isa::fmadd(isa::set1(scores[g * padded + j]), vv, acc[g][c]);
     }
   }
   for (int64_t g = 0; g < group; ++g)

@@ -1,0 +1,34 @@
+// SIMD vocabulary of kiln's CPU kernels: 16 fp32 lanes (`V16`), bf16 loads and stores, and
+// the bf16 pair dot product of the packed linear, for each ISA class the kernels are built
+// for (kiln/ops/cpu_kernels.py picks the flags):
+//   amx          AVX512-BF16 + AMX tiles (Sapphire Rapids and later)
+//   avx512_bf16  AVX512-BF16 without AMX (Zen 4, Cooper Lake)
+//   avx512       AVX512F/BW without bf16 instructions (Ice Lake, Cascade Lake)
+//   avx2         AVX2 + FMA (Zen 2/3, Haswell to Alder Lake)
+// The kernels are written once against this vocabulary; simd_avx512.h maps it one to one
+// onto AVX512 intrinsics (one register per V16), simd_avx2.h onto pairs of AVX2 registers.
+// Without native bf16 the math runs with fp32 FMAs: a bf16 value is the upper half of an
+// fp32 one, so widening is a shift and never rounds.
+//
+// Each header provides, in namespace kiln_isa:
+//   V16, Mask16; zero, set1, loadu, storeu, add, sub, mul, fmadd (a*b+c), fnmadd (c-a*b),
+//   max, reduce_add, reduce_max, round_nearest, scale_pow2 (y * 2^n, n integral);
+//   first_lanes(n) (lanes < n), max_masked, zero_unmasked;
+//   load_bf16 / store_bf16 (16 values, round to nearest even);
+//   reduce16(v): lane i = sum of v[kReduceOrder[i]]'s lanes;
+//   WRow / Pair / load_wrow / load_pair / dot: one 64-byte row of a packed weight tile
+//   (16 columns x a (k, k+1) pair) against one input row's pair, into a V16 of sums;
+//   kNativeBf16 (load_pair reads the bf16 row, else its fp32 copy);
+//   kGemmRows x kGemmBlocks: the linear's register tile (rows x 16-column blocks).
+#pragma once
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include "simd_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "simd_avx2.h"
+#else
+#error "kiln's CPU kernels need AVX2 with FMA or AVX512 (see kiln/ops/cpu_kernels.py)"
+#endif
