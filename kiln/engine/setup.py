@@ -34,7 +34,7 @@ def fast_bf16(device: torch.device) -> bool:
     """bfloat16 faster than float32 here: sm80+ on CUDA; on a CPU, wherever kiln's
     kernels run (AMX, AVX512-BF16, plain AVX512 and AVX2, where their FMA path still
     halves the weight bytes: measured 1.8x float32 at batch 1 and with 32 requests on an
-    AVX512 host without bf16, 3.0x and 1.8x on an AVX2 host). Without them (no AVX2, no
+    AVX512 host without bf16, 2.7x and 1.7x on an AVX2 host). Without them (no AVX2, no
     compiler, KILN_CPU_KERNELS=0) bf16 is oneDNN's emulation: float32 is faster."""
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "simd.h"
 
@@ -225,9 +226,14 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
     return y;
   }
 #endif
-  at::Tensor xf;  // the fp32 copy the FMA path broadcasts from
-  if (!kiln_isa::kNativeBf16) xf = xc.to(at::kFloat);
-  tile_gemm(xp, xf.defined() ? xf.data_ptr<float>() : nullptr, wptr, bp, yp, M, K, N);
+  // The FMA path broadcasts from an fp32 copy of x, widened here rather than through an
+  // ATen conversion: at decode sizes that op's dispatch cost more than the widening.
+  std::unique_ptr<float[]> xf;
+  if (!kiln_isa::kNativeBf16) {
+    xf.reset(new float[M * K]);  // K % 32 == 0: whole V16s
+    for (int64_t i = 0; i < M * K; i += 16) kiln_isa::storeu(xf.get() + i, load_bf16(xp + i));
+  }
+  tile_gemm(xp, xf.get(), wptr, bp, yp, M, K, N);
   return y;
 }
 
