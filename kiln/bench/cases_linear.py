@@ -5,7 +5,7 @@ gate|up, down and lm_head projections, at every decode batch size and prefill le
 Candidates, each on a weight laid out once beforehand (never per call):
 
   F.linear          PyTorch's GEMM on the plain weight (oneDNN/MKL; the reference)
-  kiln-packed       kiln's packed-tile kernel (bf16; AMX, AVX512-BF16 or AVX512 FMAs)
+  kiln-packed       kiln's packed-tile kernel (bf16; AMX, AVX512-BF16, or AVX512 or AVX2 FMAs)
   onednn-prepacked  oneDNN's own prepacked layout (`mkldnn._reorder_linear_weight`);
                     bf16 only where oneDNN runs bf16 natively (not on AVX2-only hosts)
   inductor-autotune Inductor max-autotune with freezing: its CPU GEMM templates vs aten
