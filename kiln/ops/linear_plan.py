@@ -11,8 +11,8 @@ F.linear wins and keeps winning above it.
 Without table entries for a shape, every ISA class packs at every row count. Measured
 (`kiln bench kernels --ops linear`): on AVX512 without bf16 (Ice Lake class, FMA path)
 the packed kernel beats oneDNN's bf16 GEMM 3x at every row count from 1 to 512; on AVX2
-(Zen 3 class) it beats oneDNN's emulated bf16 GEMM 2-9x at every row count, and F.linear
-never wins there; on AMX it beat oneDNN at every row count when it was written.
+(Zen 3 class) it beats oneDNN's emulated bf16 GEMM 1.4-7.4x at every row count, so
+F.linear never wins there; on AMX it beat oneDNN at every row count when it was written.
 AVX512-BF16 without AMX (Zen 4) has not been timed by us: run the harness there and the
 table overrides the default.
 """
