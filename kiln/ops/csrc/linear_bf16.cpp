@@ -248,13 +248,10 @@ void set_amx(bool enabled) {
 #endif
 }
 
-bool amx_active() { return amx_enabled; }
-
 TORCH_LIBRARY(kiln_cpu, m) {
   m.def("linear_packed(Tensor x, Tensor wp, Tensor? bias, Tensor? dense=None, "
         "int dense_from=0) -> Tensor");
   m.def("set_amx(bool enabled) -> ()", &set_amx);
-  m.def("amx_active() -> bool", &amx_active);
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

@@ -4,7 +4,6 @@
 // mask before the FMAs. Masks are all-ones lanes. See simd.h.
 #pragma once
 #include <immintrin.h>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
