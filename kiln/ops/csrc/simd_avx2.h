@@ -114,6 +114,14 @@ inline V16 reduce16(V16* v) {
 // for the broadcast pair fit the 16 ymm registers (4 x 4 blocks would spill). Two blocks
 // for a single row measured no faster: a one-row product streams weights from memory.
 constexpr int kGemmRows = 4, kGemmBlocks = 1;
+// From kPanelFrom rows on, the linear widens each weight block into an fp32 panel and
+// runs a kPanelRows x 16 tile over it (12 accumulators, 2 panel registers, 1 broadcast).
+// Measured here (Zen 3, 2 threads, SmolLM2's five shapes, interleaved A/B): the panel is
+// 1.0-1.1x the 4 x 1 tile at 24-32 rows, 1.1-1.25x at 64-512 (about an fp32 sgemm's
+// speed), and 0.7-0.9x at 8-16 rows (the lm_head still at 16), hence 24.
+#define KILN_PANEL_GEMM 1
+constexpr int kPanelRows = 6;
+constexpr int64_t kPanelFrom = 24;
 
 constexpr bool kNativeBf16 = false;
 struct WRow { V16 even, odd; };
