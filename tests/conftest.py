@@ -47,7 +47,7 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0) -> transformers.PreTra
 @pytest.fixture(scope="session")
 def cpu_kernels_loaded() -> None:
     """kiln's C++ CPU kernels, built (once per cache) and loaded; skips where this host
-    cannot have them (no AVX512 or no compiler), where the engine falls back too."""
+    cannot have them (no AVX2 or no compiler), where the engine falls back too."""
     from kiln.compiler import default_cache_root
     from kiln.ops import cpu_kernels
 
