@@ -23,8 +23,8 @@ run: $(STAMP)
 	$(KILN) generate --chat "Write a haiku about a kiln firing clay." --max-tokens 64
 
 # Warm the repository-local compile cache first, the way a user's CI would; the compiled
-# tests on the default model then start warm (-O1, -O2 and -O3 share these artifacts on
-# the CPU: they differ only in CUDA graphs, which are not part of the compiled code).
+# tests on the default model then start warm (-O1 and -O2 share these artifacts on the
+# CPU: they differ only in CUDA graphs, which are not part of the compiled code).
 # Two warm-ups side by side: the default dtype (bf16 wherever kiln's CPU kernels run) and
 # the float32 graph of the parity tests; each compile is mostly one g++ process.
 test: $(STAMP)

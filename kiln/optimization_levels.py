@@ -8,12 +8,16 @@ still left None, so anything a user sets explicitly wins.
 | compile sizes            | -    | -         | -                  | CUDA: capture sizes <= 8  |
 | compile ranges           | one range 1..max_num_batched_tokens at every level          |
 | Inductor options (CUDA)  | -    | -         | -                  | max_autotune, coord. descent |
-| Inductor options (CPU)   | -    | -         | -                  | - (measured: see README)  |
+| Inductor options (CPU)   | -    | -         | -                  | cpp_wrapper               |
 
 On a device without CUDA graphs the graph modes then lower to NONE (one info line), so
-on the CPU -O1, -O2 and -O3 build the same code and share compile-cache entries. Fusion
-passes: kiln has no custom FX passes yet; Inductor's own fusion runs at every compiling
-level.
+on the CPU -O1 and -O2 build the same code and share compile-cache entries. -O3 on the
+CPU adds Inductor's `cpp_wrapper`: the compiled graph's glue (buffer allocation and the
+~270 kernel and extern-op calls of a SmolLM2 step) runs as C++ instead of Python. Measured
+on Zen 3 (AVX2, 2 threads, bf16, warm cache): batch-1 decode 65.4 vs 58.4 tok/s (mean of
+three runs each, 1.12x), 32 requests x 128 tokens level with -O2 within the noise; its
+cold compile takes about 1.5x as long (155 s vs about 100 s for SmolLM2). Fusion passes:
+kiln has no custom FX passes yet; Inductor's own fusion runs at every compiling level.
 """
 from __future__ import annotations
 
@@ -67,7 +71,8 @@ LEVELS: dict[OptimizationLevel, dict[str, Default]] = {
                            "cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
                            "compile_sizes": _o3_compile_sizes,
                            "inductor_options": PerDevice(
-                               cpu={}, cuda={"max_autotune": True,
+                               cpu={"cpp_wrapper": True},
+                               cuda={"max_autotune": True,
                                              "coordinate_descent_tuning": True})},
 }
 

@@ -29,7 +29,9 @@ def test_level_defaults_on_cpu(level, mode, graphs):
     c = cfg(level, graph_backend="cpu_test").compilation
     assert (c.mode, c.cudagraph_mode) == (mode, graphs)
     assert c.cudagraph_capture_sizes == (LADDER_64 if graphs else [])
-    assert (c.compile_sizes, c.compile_ranges_endpoints, c.inductor_options) == ([], [], {})
+    options = {"cpp_wrapper": True} if level == 3 else {}
+    assert (c.compile_sizes, c.compile_ranges_endpoints, c.inductor_options) == ([], [],
+                                                                                options)
     # Without it, CUDA graphs do not exist here: NONE, compiled code unchanged.
     plain = cfg(level).compilation
     assert (plain.mode, plain.cudagraph_mode, plain.cudagraph_capture_sizes) == (mode, M.NONE, [])
@@ -95,9 +97,11 @@ def test_levels_differing_only_in_graphs_share_a_cache_key():
     def key(level, **comp):
         c = cfg(level, **comp).compilation
         return cache_factors(_Model(), c, torch.float32, torch.device("cpu"), [], "h")
-    assert key(1) == key(2) == key(3) == key(2, graph_backend="cpu_test") \
-        == key(3, cudagraph_capture_sizes=[1, 2])
+    assert key(1) == key(2) == key(2, graph_backend="cpu_test") \
+        == key(3, cudagraph_capture_sizes=[1, 2], inductor_options={})
     assert key(1) != key(1, compile_sizes=[4])
+    # -O3's cpp_wrapper changes the generated code, so it is a separate entry on the CPU.
+    assert key(3) != key(2)
 
 
 @pytest.mark.parametrize("argv,level", [

@@ -4,7 +4,11 @@ counts that need padding: 3 -> 4, 5 -> 8 and 13 -> 16 tokens per decode step.
 -O2 and -O3 run the CPU test graph (the config's documented `graph_backend="cpu_test"`),
 so their decode steps really are padded and replayed through PIECEWISE graphs; -O0 and -O1
 run as users get them on a CPU (no graphs). The compiled levels load the artifacts that
-`make test`'s `kiln warmup -O2` stored: on the CPU they build identical code.
+`make test`'s `kiln warmup -O2` stored. -O3 on the CPU also turns on Inductor's
+`cpp_wrapper` (the same kernels, C++ glue): here -O3 runs with -O2's Inductor options, so
+it checks -O3's graph modes on the warm artifacts, and the cpp_wrapper build is held to
+transformers on a tiny model in test_parity_tiny.py (a cold SmolLM2 cpp_wrapper compile
+would cost the suite about 150 s).
 """
 from __future__ import annotations
 
@@ -43,9 +47,11 @@ def references(smollm2_hf, prompts):
 def test_every_level_matches_transformers_with_padded_batches(smollm2_dir, prompts,
                                                               references, level,
                                                               graph_backend):
+    compilation = {"graph_backend": graph_backend, "cudagraph_capture_sizes": SIZES}
+    if level == 3:
+        compilation["inductor_options"] = {}  # -O2's code (see the module docstring)
     llm = LLM(str(smollm2_dir), dtype="float32", optimization_level=level, progress=False,
-              max_model_len=512, compilation={"graph_backend": graph_backend,
-                                              "cudagraph_capture_sizes": SIZES})
+              max_model_len=512, compilation=compilation)
     runner = llm.engine.runner
     for n in (3, 5, 13):
         # Staggered lengths: the batch shrinks one request at a time, n -> 1.

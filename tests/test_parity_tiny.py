@@ -7,6 +7,7 @@ import torch
 
 from conftest import TINY_CONFIGS, hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
+from kiln.graphs import CUDAGraphMode
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LENGTHS = [5, 17, 33, 2, 40, 9]
@@ -51,6 +52,18 @@ def test_preemption_keeps_parity(tiny_models, references):
     assert tokens == refs["llama"]
     pool = llm.engine.scheduler.kv.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1
+
+
+def test_o3_cpp_wrapper_keeps_parity_with_padded_graphs(tiny_models, references):
+    """-O3 as a CPU user gets it (Inductor's cpp_wrapper), with the CPU test graphs so its
+    decode steps are padded and replayed."""
+    prompts, refs = references
+    llm, tokens = _kiln_tokens(tiny_models["llama"][0], prompts, optimization_level=3,
+                               compilation={"graph_backend": "cpu_test"})
+    c = llm.engine.config.compilation
+    assert c.inductor_options == {"cpp_wrapper": True} and c.cudagraph_mode
+    assert llm.engine.runner.dispatcher.mode is CUDAGraphMode.PIECEWISE
+    assert tokens == refs["llama"]
 
 
 def test_bfloat16_agrees_where_fp32_is_decisive(tiny_models):

@@ -25,7 +25,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    default=2, choices=range(4), metavar="N",
                    help="optimization level -O0..-O3 (default -O2): -O0 eager, -O1 compiled "
                         "pieces + piecewise CUDA graphs, -O2 + full CUDA graphs for decode, "
-                        "-O3 + max-autotune on CUDA; fields set explicitly win")
+                        "-O3 + max-autotune on CUDA, cpp_wrapper on the CPU; fields set "
+                        "explicitly win")
     p.add_argument("-cc", "--compilation-config", default=None, metavar="JSON",
                    help="compilation fields as JSON, e.g. '{\"cudagraph_mode\": \"piecewise\", "
                         "\"cudagraph_capture_sizes\": [1, 2, 4]}'; they win over -O")
