@@ -14,9 +14,9 @@ On a device without CUDA graphs the graph modes then lower to NONE (one info lin
 on the CPU -O1 and -O2 build the same code and share compile-cache entries. -O3 on the
 CPU adds Inductor's `cpp_wrapper`: the compiled graph's glue (buffer allocation and the
 ~270 kernel and extern-op calls of a SmolLM2 step) runs as C++ instead of Python. Measured
-on Zen 3 (AVX2, 2 threads, bf16, warm cache): batch-1 decode 65.4 vs 58.4 tok/s (mean of
-three runs each, 1.12x), 32 requests x 128 tokens level with -O2 within the noise; its
-cold compile takes about 1.5x as long (155 s vs about 100 s for SmolLM2). Fusion passes:
+on Zen 3 (AVX2, 2 threads, bf16; benchmarks/compile_levels.py): decode 1.26x -O2 at batch
+1 and 1.13x with 32 requests; its cold compile takes about 1.5x as long (162 s vs 110 s
+for SmolLM2), warm start-up is the same. Fusion passes:
 kiln has no custom FX passes yet; Inductor's own fusion runs at every compiling level.
 """
 from __future__ import annotations
