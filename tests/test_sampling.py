@@ -145,3 +145,30 @@ def test_seed_gives_same_tokens_alone_or_in_a_batch(tiny_models):
     assert batch[0].outputs[0].token_ids == alone
     other = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
     assert llm.generate(prompts[0], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+@pytest.mark.usefixtures("cpu_kernels_loaded")
+@pytest.mark.parametrize("vocab", [1, 15, 49152 + 7])
+def test_fused_greedy_argmax_equals_torch_argmax_with_ties(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(6, vocab, generator=g) * 4).to(torch.bfloat16)
+    if vocab > 4:  # ties at the maximum: bf16 has 8 bits of mantissa, so they do happen
+        logits[1, vocab // 2] = logits[1, 3] = 30.0
+        logits[2, :] = 1.0
+    ids = torch.ops.kiln_cpu.greedy_argmax(logits)
+    assert ids.tolist() == logits.float().argmax(dim=-1).tolist()
+    md = SamplingMetadata.build([Row(SamplingParams(temperature=0))] * 6, torch.device("cpu"),
+                                vocab)
+    assert Sampler()(logits, md).sampled.tolist() == ids.tolist()
+
+
+@pytest.mark.usefixtures("cpu_kernels_loaded")
+def test_fused_greedy_argmax_leaves_nan_and_inf_rows_to_aten():
+    logits = torch.randn(3, 100).to(torch.bfloat16)
+    logits[0, 70] = float("nan")
+    logits[1, 9] = float("-inf")
+    assert torch.ops.kiln_cpu.greedy_argmax(logits)[:2].tolist() == [-1, -1]
+    md = SamplingMetadata.build([Row(SamplingParams(temperature=0))] * 3, torch.device("cpu"),
+                                100)
+    # The sampler falls back to widening and ATen's argmax, NaN semantics included.
+    assert Sampler()(logits, md).sampled.tolist() == logits.float().argmax(dim=-1).tolist()

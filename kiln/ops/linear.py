@@ -85,3 +85,7 @@ def register_fakes() -> None:
                             dense: torch.Tensor | None = None,
                             dense_from: int = 0) -> torch.Tensor:
         return x.new_empty((x.shape[0], wp.shape[0] * 16))
+
+    @torch.library.register_fake("kiln_cpu::greedy_argmax")
+    def _greedy_argmax_fake(logits: torch.Tensor) -> torch.Tensor:
+        return logits.new_empty((logits.shape[0],), dtype=torch.long)

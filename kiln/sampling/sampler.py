@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.ops import cpu_kernels
 from kiln.sampling.logprobs import LogprobsTensors, gather_logprobs
 from kiln.sampling.metadata import Penalties, SamplingMetadata
 from kiln.sampling.params import _GREEDY_EPS
@@ -28,6 +29,9 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        fast = _fused_greedy(logits, md)
+        if fast is not None:
+            return SamplerOutput(fast, None)
         logits = logits.float()
         raw_logprobs = None
         if md.max_num_logprobs is not None:
@@ -59,6 +63,20 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         sampled = (probs / _exponential_noise(probs, md.generators)).argmax(dim=-1)
         return torch.where(is_greedy, greedy, sampled)
+
+
+def _fused_greedy(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:
+    """All-greedy bf16 steps with nothing to apply before the argmax (no logprobs, bias,
+    bans or penalties) read the logits once in kiln's C++ argmax: the same first-maximum
+    answer as widening to fp32 and `argmax`, without the copy. None: the general path
+    (also for a row with a NaN or infinity, which the kernel leaves to ATen)."""
+    if not (md.all_greedy and md.max_num_logprobs is None and md.logit_bias is None
+            and md.min_tokens_mask is None and md.penalties is None
+            and logits.dtype == torch.bfloat16 and logits.device.type == "cpu"
+            and logits.dim() == 2 and cpu_kernels.loaded()):
+        return None
+    sampled = torch.ops.kiln_cpu.greedy_argmax(logits)
+    return None if bool((sampled < 0).any()) else sampled
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

@@ -23,7 +23,8 @@
 //
 // A layer may also keep a plain weight for large row counts (`dense`, `dense_from`): the
 // tuning table decides per layer when oneDNN's GEMM beats the packed kernel there.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>

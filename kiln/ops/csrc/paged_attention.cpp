@@ -17,7 +17,8 @@
 // query_start_loc int32; decode_reqs/prefill_reqs int64. Decode rows run in fp32 in the
 // kernel below; prefill rows gather their blocks and call SDPA with a bottom-right
 // causal mask, exactly as the torch backend does.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
