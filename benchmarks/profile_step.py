@@ -8,7 +8,7 @@ Runs the default model (CLI defaults unless flags say otherwise), warms up, then
              on the "inside linear" line)
   attention  the attention op, including what runs inside it
   compiled   the rest of the compiled graph (Inductor's fused norms, RoPE, SiLU, adds)
-  sampling   the sampler's argmax / top-k / sort
+  sampling   the sampler's argmax (kiln's greedy kernel or ATen's) / top-k / sort
   other      everything else: engine Python (scheduler, input preparation, detokenizer)
 
 "other" is the step's wall time minus the categorised time, so it includes the profiler's
@@ -28,7 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 TOTAL_OPS = {"linear": ("kiln_cpu::linear_packed", "aten::linear", "aten::matmul", "aten::mm",
                         "aten::addmm", "mkldnn::_linear_pointwise"),
              "attention": ("kiln::unified_attention", "kiln_cpu::unified_attention"),
-             "sampling": ("aten::argmax", "aten::topk", "aten::sort")}
+             "sampling": ("kiln_cpu::greedy_argmax", "aten::argmax", "aten::topk",
+                          "aten::sort")}
 
 
 def outermost_total_us(events, names: tuple[str, ...]) -> float:
