@@ -13,20 +13,12 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <cmath>
-#include <cstring>
 
 #include "simd.h"
 
 namespace {
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-int64_t argmax_row(const uint16_t* x, int64_t V) {
+int64_t argmax_row(const c10::BFloat16* x, int64_t V) {
   using namespace kiln_isa;
   const int64_t whole = V / 16 * 16;
   V16 m = set1(-INFINITY), check = zero();
@@ -38,13 +30,13 @@ int64_t argmax_row(const uint16_t* x, int64_t V) {
   }
   float best = reduce_max(m), finite_check = reduce_add(check);
   for (int64_t i = whole; i < V; ++i) {
-    const float v = bf16_to_float(x[i]);
+    const float v = static_cast<float>(x[i]);
     finite_check += v * 0.f;
     best = v > best ? v : best;
   }
   if (finite_check != 0.f) return -1;  // NaN (or inf) somewhere: ATen decides
   for (int64_t i = 0; i < V; ++i)
-    if (bf16_to_float(x[i]) == best) return i;
+    if (static_cast<float>(x[i]) == best) return i;
   return -1;  // unreachable for finite rows
 }
 
@@ -57,7 +49,7 @@ at::Tensor greedy_argmax(const at::Tensor& logits) {
   const auto x = logits.contiguous();
   const int64_t R = x.size(0), V = x.size(1);
   auto out = at::empty({R}, x.options().dtype(at::kLong));
-  const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* p = x.data_ptr<c10::BFloat16>();
   auto* o = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * V, V);
