@@ -154,6 +154,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # 0: off
     full_sequence_must_fit: bool = False
     log_stats_interval_s: float = 10.0  # 0: never log scheduler stats
+    tensor_parallel_size: int = 1
+    # "uni" | "mp" | "external_launcher"; None: "mp" when tensor_parallel_size > 1
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -187,9 +190,37 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold="
                              f"{self.long_prefill_token_threshold!r} must be 0 (off) or a "
                              "positive integer")
+        self._validate_parallel()
         self.compilation = _compilation(self.compilation)
         self.compilation.validate(self.max_num_batched_tokens)
         self._apply_level()
+
+    def _validate_parallel(self) -> None:
+        """What can be checked before the model is known; heads and sizes are checked
+        against the checkpoint at start-up (`kiln.engine.setup.check_tensor_parallel`)."""
+        from kiln.distributed.executor import BACKENDS
+        from kiln.distributed.worker import cpu_threads_per_rank
+
+        tp, backend = self.tensor_parallel_size, self.distributed_executor_backend
+        _positive_int("tensor_parallel_size", tp)
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r} must be one of "
+                             f"{', '.join(BACKENDS)}")
+        if backend == "uni" and tp > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one process but "
+                             f"tensor_parallel_size={tp}: use 'mp' (the default) or "
+                             "'external_launcher'")
+        if backend == "external_launcher":
+            return  # the ranks may span hosts: torchrun decides what runs where
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} exceeds the "
+                             f"{torch.cuda.device_count()} CUDA devices here")
+        cpus = cpu_threads_per_rank(1)
+        if self.device == "cpu" and tp > 2 * cpus:
+            # Each rank needs a thread; past two ranks per CPU they only time-slice.
+            raise ValueError(f"tensor_parallel_size={tp} exceeds what this host allows "
+                             f"(at most {2 * cpus}: two ranks per CPU, {cpus} CPUs); lower "
+                             "it, or spread ranks over hosts with torchrun")
 
     def _apply_level(self) -> None:
         """Fill level-controlled fields that are still None; explicit settings win."""

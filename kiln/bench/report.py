@@ -51,7 +51,8 @@ def engine_facts(engine: Any) -> dict[str, Any]:
     return {"model": str(engine.model_config.path),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "optimization_level": engine.config.optimization_level,
-            "attention_backend": engine.runner.attn_backend_cls.name}
+            "attention_backend": engine.executor.attention_backend,
+            "tensor_parallel_size": engine.executor.tp_size}
 
 
 def _clean(value: Any) -> Any:

@@ -18,6 +18,7 @@ from kiln.compiler.cache import CompileCache, default_cache_root
 from kiln.compiler.piecewise import Range
 from kiln.compiler.trace_once import TraceOnceModel
 from kiln.config import GRAPH_FIELDS, CompilationConfig
+from kiln.distributed import get_tp_group
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import plan_signature
 
@@ -34,8 +35,8 @@ def source_hash(model: nn.Module) -> str:
     """Hash of the source files Dynamo traces: the model's module classes and kiln's
     attention layer (a code change must never load a stale artifact). Files are named by
     module, not path, so the same code in another checkout or venv hashes alike."""
-    modules = {type(m).__module__ for m in model.modules()} | {"kiln.attention.layer",
-                                                               "kiln.ops.linear"}
+    modules = {type(m).__module__ for m in model.modules()} | {
+        "kiln.attention.layer", "kiln.ops.linear", "kiln.distributed.ops"}
     h = hashlib.sha256()
     for name in sorted(modules):
         source = inspect.getsourcefile(sys.modules[name])
@@ -59,7 +60,9 @@ def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
             "compiler": adaptor_hash, "source": source_hash(model),
             "cpu_kernels": cpu_kernels.loaded_signature(),
             "linear_plan": plan_signature(model),
-            "attention_backend": attention_backend}
+            "attention_backend": attention_backend,
+            # Each rank compiles its own shard shapes (and collectives): its own entry.
+            "tensor_parallel": [get_tp_group().rank, get_tp_group().world_size]}
 
 
 def device_description(device: torch.device) -> str:

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import RequestOutput
@@ -112,9 +112,11 @@ class AsyncLLMEngine:
     """Serve many concurrent requests from one `LLMEngine`. Construct it inside a running
     event loop (or call `start()` there); `shutdown()` stops the engine thread."""
 
-    def __init__(self, engine: LLMEngine, observer: StatsObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observer: StatsObserver | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.observer = observer
+        self.on_dead = on_dead  # called from the engine thread when a step fails
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._progress: dict[str, _Progress] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -179,13 +181,16 @@ class AsyncLLMEngine:
                     outputs = self.engine.step()
                     self._dispatch(outputs, time.monotonic())
                 self.stats = self.engine.get_stats()
-        except BaseException as exc:  # a bug in a step: fail every request, loudly
+        except BaseException as exc:  # a bug in a step, a dead worker: fail every request
             logger.exception("engine thread died")
             self.dead_error = exc
         finally:
-            if self.dead_error is None:
+            failed = self.dead_error is not None
+            if not failed:
                 self.dead_error = EngineDeadError("the engine was shut down")
             self._fail_all(self.dead_error)
+            if failed and self.on_dead is not None:
+                self.on_dead(self.dead_error)
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands; False means stop."""

@@ -1,8 +1,10 @@
-"""LLMEngine: add requests, step, collect outputs. Synchronous and single-process."""
+"""LLMEngine: add requests, step, collect outputs. Synchronous; the model runs in the
+executor's workers (in process, or one process per tensor-parallel rank)."""
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -12,11 +14,13 @@ from kiln.engine.detokenizer import token_namer
 from kiln.engine.output_processor import OutputProcessor, sample_ids
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.request import Request, RequestStatus
-from kiln.engine.setup import (check_kv_capacity, load_tokenizer, resolve_dtype,
-                               resolve_max_model_len)
+from kiln.distributed.executor import Executor, make_executor
+from kiln.distributed.worker import RunnerSpec
+from kiln.engine.setup import (check_kv_capacity, check_tensor_parallel, load_tokenizer,
+                               resolve_dtype, resolve_max_model_len)
 from kiln.models import ModelConfig, model_class
 from kiln.models.model_source import resolve_model
-from kiln.runner import ModelRunner, RunnerLimits
+from kiln.runner import RunnerLimits
 from kiln.sampling import SamplingParams
 from kiln.scheduler import (BlockHasher, KVCacheManager, Scheduler, SchedulerPolicy,
                             SchedulerStats)
@@ -35,19 +39,22 @@ class LLMEngine:
         path = resolve_model(config.model, progress=progress)
         self.model_config = mc = ModelConfig.from_pretrained(path)
         model_class(mc.architecture)  # unknown architectures fail before any loading
+        check_tensor_parallel(mc, config.tensor_parallel_size)
         self.dtype = resolve_dtype(config, mc)
         self.max_model_len = resolve_max_model_len(config, mc)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(config.seed)
         limits = RunnerLimits(config.max_num_seqs, config.max_num_batched_tokens,
                               self.max_model_len, config.block_size)
-        self.runner = ModelRunner(mc, self.dtype, torch.device(config.device), limits,
-                                  kv_cache_memory=config.kv_cache_memory,
-                                  num_kv_blocks=config.num_kv_blocks,
-                                  attention_backend=config.attention_backend,
-                                  compilation=config.compilation, progress=progress)
-        check_kv_capacity(self.runner.num_kv_blocks, config.block_size, self.max_model_len)
-        kv = KVCacheManager(self.runner.kv_spec, self.runner.num_kv_blocks,
+        spec = RunnerSpec(mc, self.dtype, config.device, limits, config.seed,
+                          config.kv_cache_memory, config.num_kv_blocks,
+                          config.attention_backend, config.compilation, progress)
+        self.executor: Executor = make_executor(config.distributed_executor_backend,
+                                                config.tensor_parallel_size, spec)
+        # Workers stop with the engine: garbage-collected, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
+        check_kv_capacity(self.executor.num_kv_blocks, config.block_size, self.max_model_len)
+        kv = KVCacheManager(self.executor.kv_spec, self.executor.num_kv_blocks,
                             enable_caching=config.enable_prefix_caching)
         self._hasher = BlockHasher(config.block_size) if config.enable_prefix_caching else None
         policy = SchedulerPolicy(config.scheduling_policy, config.long_prefill_token_threshold,
@@ -60,6 +67,15 @@ class LLMEngine:
         self.load_time_s = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d", self.load_time_s,
                     mc.architecture, self.dtype, self.max_model_len)
+
+    @property
+    def runner(self) -> Any:
+        """The in-process model runner (`uni`, `external_launcher`)."""
+        return self.executor.runner
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers now (also done at garbage collection and exit)."""
+        self._finalizer()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
@@ -145,7 +161,7 @@ class LLMEngine:
         """Run one scheduler step; return at most one output per user request that got new
         tokens, shaped by its `output_kind` (cumulative, delta, or final only)."""
         so = self.scheduler.schedule()
-        runner_out = self.runner.execute(so)
+        runner_out = self.executor.execute(so)
         self._maybe_log_stats()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs, runner_out)

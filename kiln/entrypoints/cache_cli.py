@@ -21,36 +21,40 @@ def _size(path: Path) -> int:
 
 
 def cmd_warmup(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any]) -> int:
-    from kiln.compiler import compilation_counter
-
+    """Build the engine (which compiles or loads every size and range) and report, per
+    rank: with -tp N every rank warms its own cache entry."""
     if args.optimization_level == 0:
         args.optimization_level = 1  # warming a cache only makes sense when compiling
-    before = compilation_counter.clone()
     start = time.perf_counter()
     llm = make_llm(args)
     elapsed = time.perf_counter() - start
-    d = compilation_counter.delta(before)
-    runner = llm.engine.runner
-    backend = runner.compile_backend
-    shapes = ", ".join(map(str, backend.shapes)) if backend else "-"
-    cache = backend.cache if backend else None
+    reports = llm.engine.executor.collective_rpc("compile_report")
+    if not llm.engine.executor.is_driver:
+        return 0  # under torchrun, rank 0 prints for everyone
     print(f"kiln warmup: {llm.engine.model_config.architecture}, {llm.engine.dtype}, "
-          f"-O{args.optimization_level}")
+          f"-O{args.optimization_level}, {elapsed:.1f} s start-up")
+    for report in reports:
+        _print_report(report, len(reports))
+    return 0
+
+
+def _print_report(r: dict[str, Any], num_ranks: int) -> None:
+    d = r["counters"]
+    if num_ranks > 1:
+        print(f" rank {r['tp_rank']} of {num_ranks}")
     print(f"  pieces        {d['num_piecewise_graphs_seen']} "
           f"({d['num_piecewise_capturable_graphs_seen']} compiled, "
           f"{d['num_unique_graphs']} unique graphs)")
-    print(f"  sizes/ranges  {shapes}")
+    print(f"  sizes/ranges  {', '.join(r['shapes']) or '-'}")
     print(f"  builds        {d['num_backend_compilations']}: "
           f"{d['num_compiled_artifacts_loaded']} cache hits, "
           f"{d['num_inductor_compiles'] + d['num_eager_compiles']} compiled, "
           f"{d['num_cache_repairs']} repaired")
-    print(f"  time          {elapsed:.1f} s start-up, "
-          f"{backend.compile_time_s if backend else 0:.1f} s in the compiler")
-    if cache is not None:
-        count = len(list((cache.dir / "artifacts").iterdir()))
-        print(f"  cache         {cache.dir} ({count} artifacts, "
-              f"{_size(cache.dir) / 2**20:.1f} MiB)")
-    return 0
+    print(f"  time          {r['compile_time_s']:.1f} s in the compiler")
+    if r["cache_dir"] is not None:
+        cache = Path(r["cache_dir"])
+        count = len(list((cache / "artifacts").iterdir()))
+        print(f"  cache         {cache} ({count} artifacts, {_size(cache) / 2**20:.1f} MiB)")
 
 
 def cmd_cache(args: argparse.Namespace) -> int:

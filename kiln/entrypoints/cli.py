@@ -51,6 +51,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap on prefill tokens per request per step (0: off)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N ranks (processes) with torch.distributed")
+    p.add_argument("--distributed-executor-backend", default=None,
+                   choices=["uni", "mp", "external_launcher"],
+                   help="who runs the ranks: uni (in process, tp=1), mp (one process per "
+                        "rank; the default for tp>1), external_launcher (torchrun)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +118,9 @@ def _make_llm(args: argparse.Namespace) -> Any:
                compilation=_compilation(args),
                enable_prefix_caching=not args.no_prefix_caching,
                scheduling_policy=args.scheduling_policy,
-               long_prefill_token_threshold=args.long_prefill_token_threshold)
+               long_prefill_token_threshold=args.long_prefill_token_threshold,
+               tensor_parallel_size=args.tensor_parallel_size,
+               distributed_executor_backend=args.distributed_executor_backend)
 
 
 def _compilation(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,6 +33,10 @@ class LLM:
         self.engine = LLMEngine(config, progress=progress)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (garbage collection does it too)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
@@ -45,8 +49,10 @@ class LLM:
         finish_reason 'error'; the others run normally."""
         order, results = self._add(prompts, sampling_params, priority,
                                    RequestOutputKind.FINAL_ONLY)
-        self._run(results, use_tqdm, total=len(order))
-        return [results[rid] for rid in order]
+        driver = self.engine.executor.is_driver
+        self._run(results, use_tqdm and driver, total=len(order))
+        # Under torchrun every rank runs the engine; only rank 0 hands outputs back.
+        return [results[rid] for rid in order] if driver else []
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -55,9 +61,13 @@ class LLM:
         logprobs new since that request's previous output (concatenated, they are the
         final result). Rejected prompts are yielded first, with `error` set."""
         order, results = self._add(prompts, sampling_params, None, RequestOutputKind.DELTA)
-        yield from results.values()
+        driver = self.engine.executor.is_driver
+        if driver:
+            yield from results.values()
         while self.engine.has_unfinished_requests():
-            yield from self.engine.step()
+            outputs = self.engine.step()
+            if driver:
+                yield from outputs
 
     def _add(self, prompts: Prompt | Sequence[Prompt],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,

@@ -4,6 +4,10 @@
 dimension, no masks; attention goes through the opaque op. Q/K/V and gate/up are fused
 into one GEMM each; their checkpoint shards are loaded into row slices by the owning
 module's `weight_loader`.
+
+The model names its parallel layers (`kiln.models.linear`, `kiln.models.vocab_parallel`)
+and sizes its attention by the heads this rank holds; the layers do the sharding, the
+loading of their slices and the collectives. With one rank it is the plain model.
 """
 from __future__ import annotations
 
@@ -12,46 +16,21 @@ import torch
 from torch import nn
 
 from kiln.attention import Attention
-from kiln.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.distributed import tp_size
+from kiln.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.models.linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
 from kiln.models.model_config import ModelConfig
-
-ShardSizes = dict[str, tuple[int, int]]  # shard id -> (row offset, rows)
-
-
-class FusedLinear(Linear):
-    """One GEMM for several checkpoint projections stacked by rows (q|k|v, gate|up).
-
-    `weight_loader` copies a checkpoint shard into its row slice. It lives on the module,
-    not the parameter, so it survives conversions that replace parameter objects.
-    """
-
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        self.shards: ShardSizes = {}
-        offset = 0
-        for name, rows in shards.items():
-            self.shards[name] = (offset, rows)
-            offset += rows
-        super().__init__(in_features, offset, bias=bias)
-
-    def weight_loader(self, param: nn.Parameter, weight: torch.Tensor,
-                      shard: str | None) -> None:
-        if shard is None:
-            param.data.copy_(weight)
-            return
-        offset, rows = self.shards[shard]
-        if weight.shape[0] != rows:
-            raise ValueError(f"shard {shard!r} has {weight.shape[0]} rows, expected {rows}")
-        param.data[offset: offset + rows].copy_(weight)
-
+from kiln.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        hd, tp = cfg.head_dim, tp_size()
+        nh, nkv = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)  # this rank's heads
         self.q_size, self.kv_size, self.head_dim = nh * hd, nkv * hd, hd
-        self.qkv_proj = FusedLinear(cfg.hidden_size,
-                                    {"q": nh * hd, "k": nkv * hd, "v": nkv * hd}, cfg.qkv_bias)
-        self.o_proj = Linear(nh * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = qkv_parallel_linear(cfg.hidden_size, cfg.num_heads,
+                                            cfg.num_kv_heads, hd, cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, cfg.o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(hd, cfg.max_position_embeddings, cfg.rope_theta,
@@ -75,9 +54,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": inter, "up": inter},
-                                        bias=False)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear.even(cfg.hidden_size,
+                                                      {"gate": inter, "up": inter}, False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +79,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -125,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -1,8 +1,8 @@
 """Build a model from a Hugging Face directory: skeleton on `meta`, then weights.
 
 Each checkpoint tensor goes to the `weight_loader` of the module owning its parameter
-(default: a checked copy), so fused parameters take their shards and later features
-(quantisation, tensor parallelism) can hook in per parameter.
+(default: a checked copy) as a lazy `CheckpointTensor`, so fused parameters take their
+shards, and under tensor parallelism a rank reads only its slice of each tensor.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from kiln.models.linear import CheckpointTensor, copy_checked
 from kiln.models.model_config import ModelConfig
 from kiln.models.registry import model_class
 
@@ -54,7 +55,7 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
                                    name, type(model).__name__)
                     continue
                 param = params[pname]
-                weight = f.get_tensor(name).to(param.dtype)
+                weight = CheckpointTensor(f, name, param.dtype)
                 owner = model.get_submodule(pname.rpartition(".")[0])
                 getattr(owner, "weight_loader", _copy)(param, weight, shard)
                 loaded.add(pname)
@@ -64,8 +65,5 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
                          f"{' ...' if len(missing) > 5 else ''}")
 
 
-def _copy(param: nn.Parameter, weight: torch.Tensor, shard: str | None) -> None:
-    if param.shape != weight.shape:
-        raise ValueError(f"weight shape {tuple(weight.shape)} does not match parameter "
-                         f"shape {tuple(param.shape)}")
-    param.data.copy_(weight)
+def _copy(param: nn.Parameter, weight: CheckpointTensor, shard: str | None) -> None:
+    copy_checked(param, weight.full())

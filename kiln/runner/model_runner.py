@@ -23,6 +23,7 @@ from tqdm import tqdm
 from kiln.attention import AttentionMetadata, select_backend
 from kiln.compiler import compile_model, default_cache_root
 from kiln.config import CompilationConfig, CompilationMode
+from kiln.distributed import get_tp_group
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.graphs import CUDAGraphMode, capture_phase
 from kiln.models import ModelConfig, build_model
@@ -82,7 +83,8 @@ class ModelRunner:
         self.attn_backends = [backend_cls(layer.spec) for layer in layers]
         for layer in layers:  # before tracing: the layer's call is fixed in the graph
             layer.native_op = backend_cls.native_layer_op
-        self.kv_spec = FullAttentionSpec(limits.block_size, model_config.num_kv_heads,
+        # This rank's KV heads (all of them without tensor parallelism).
+        self.kv_spec = FullAttentionSpec(limits.block_size, layers[0].spec.num_kv_heads,
                                          model_config.head_dim, dtype)
         self.num_kv_blocks = num_blocks_for(self.kv_spec, len(layers), kv_cache_memory,
                                             num_kv_blocks)
@@ -298,7 +300,9 @@ class ModelRunner:
         md = SamplingMetadata.build(states, self.device, self.config.vocab_size)
         logits = self.model.compute_logits(hidden)  # [R, vocab]
         result = self.sampler(logits, md)
-        tokens = result.sampled.tolist()
+        # Every rank samples the same gathered logits; rank 0's tokens are made everyone's
+        # so the ranks' next inputs can never diverge (e.g. an unseeded random draw).
+        tokens = get_tp_group().broadcast(result.sampled, src=0).tolist()
         if result.logprobs is not None:
             lists = result.logprobs.tolists()
             for row, state in enumerate(states):

@@ -10,7 +10,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -60,9 +60,12 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise from_validation_error(exc) from None
 
 
-def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: LLMEngine, settings: ServerSettings,
+              on_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """`on_dead` runs (on the engine thread) when a step fails for good, e.g. a dead
+    worker: `kiln serve` uses it to exit non-zero after a short grace period."""
     metrics = ServerMetrics(lambda: async_engine.stats)
-    async_engine = AsyncLLMEngine(engine, observer=metrics)
+    async_engine = AsyncLLMEngine(engine, observer=metrics, on_dead=on_dead)
     ctx = ServingContext(async_engine, settings.model_name)
     created = int(time.time())
 

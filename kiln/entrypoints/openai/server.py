@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
 from kiln.config import parse_bytes
 
 logger = logging.getLogger(__name__)
+DEAD_GRACE_S = 2.0  # how long /health says 503 before a server whose engine died exits
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what model=None (the embedded one) is
 
 
@@ -56,9 +58,24 @@ def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
     logger.info("start-up: engine %.1f s (model load and compile, -O%d)",
                 time.perf_counter() - start, args.optimization_level)
     settings = ServerSettings(_model_name(args), args.api_key, max_body)
-    app = build_app(engine, settings)
+    died: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_dead(exc: BaseException) -> None:
+        # In-flight requests already got their errors; /health answers 503 during the
+        # grace period (for probes), then the server stops and the process exits 1.
+        died.append(exc)
+        logger.error("the engine died (%s): exiting in %.0f s", exc, DEAD_GRACE_S)
+        threading.Timer(DEAD_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+
+    app = build_app(engine, settings, on_dead)
     logger.info("serving '%s' on http://%s:%d once warm-up is done%s", settings.model_name,
                 args.host, args.port, "" if settings.api_key else " (no API key)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose
-                else "warning", access_log=args.verbose, timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+        access_log=args.verbose, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # the workers stop before the process exits, however it exits
+    return 1 if died else 0

@@ -1,0 +1,131 @@
+"""Executors: who runs the model for the engine, and how a step reaches them.
+
+- `uni`: one in-process worker, tensor parallel size 1 (the default path).
+- `mp`: one spawned process per rank (`kiln.distributed.mp_executor`); the scheduler stays
+  in the engine process.
+- `external_launcher`: `torchrun` started every rank; each runs the whole engine
+  deterministically (same requests, same schedule, same seeds) with one in-process
+  worker, and only rank 0 hands outputs to the caller.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from kiln.distributed.parallel_state import (get_tp_group, init_distributed,
+                                             initialize_model_parallel)
+from kiln.distributed.worker import RunnerSpec, Worker, cpu_threads_per_rank
+from kiln.scheduler import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("uni", "mp", "external_launcher")
+
+
+class Executor:
+    """What the engine calls. `describe` fills kv_spec, num_kv_blocks, attention_backend."""
+
+    tp_size: int = 1
+    is_driver: bool = True  # this process hands outputs to the caller
+
+    def _describe(self, info: dict[str, Any]) -> None:
+        self.kv_spec = info["kv_spec"]
+        self.num_kv_blocks = info["num_kv_blocks"]
+        self.attention_backend = info["attention_backend"]
+
+    @property
+    def runner(self) -> Any:
+        raise AttributeError(f"the {type(self).__name__} runs the model in other processes: "
+                             "use collective_rpc to reach the workers")
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call `Worker.<method>(*args)` on every rank; one result per rank, in rank order."""
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InProcessExecutor(Executor):
+    """The worker lives in this process (`uni`, and each rank under `external_launcher`)."""
+
+    def __init__(self, spec: RunnerSpec) -> None:
+        self.worker = Worker(spec)
+        self._describe(self.worker.describe())
+
+    @property
+    def runner(self) -> Any:
+        return self.worker.runner
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute(so)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+
+class ExternalLauncherExecutor(InProcessExecutor):
+    """One rank of a `torchrun` job: the world is the job (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT), every rank in one TP group for now."""
+
+    def __init__(self, spec: RunnerSpec, tp: int) -> None:
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if k not in os.environ]
+        if missing:
+            raise ValueError(f"distributed_executor_backend='external_launcher' needs the "
+                             f"environment torchrun sets ({', '.join(missing)} missing): run "
+                             "`torchrun --nproc-per-node N script.py`")
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp:
+            raise ValueError(f"tensor_parallel_size={tp} but torchrun started {world} ranks "
+                             "(WORLD_SIZE): they must be equal until pipeline and data "
+                             "parallelism exist")
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device(spec.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(local)
+        else:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            threads = cpu_threads_per_rank(local_ranks)
+            torch.set_num_threads(threads)
+            logger.info("rank %s: %d CPU threads (%d ranks on this host)",
+                        os.environ["RANK"], threads, local_ranks)
+        init_distributed(world, int(os.environ["RANK"]))
+        initialize_model_parallel(tp, device, world)
+        self.tp_size = tp
+        self.is_driver = get_tp_group().rank == 0
+        super().__init__(spec)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        mine = getattr(self.worker, method)(*args)
+        out: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(out, mine, group=get_tp_group().cpu_group)
+        return out
+
+    # shutdown: nothing to stop. The world belongs to the torchrun job: it stays joined,
+    # so a script may build several engines in turn (each carves fresh TP groups).
+
+
+def make_executor(backend: str | None, tp: int, spec: RunnerSpec) -> Executor:
+    backend = backend or ("mp" if tp > 1 else "uni")
+    if backend == "uni":
+        if tp != 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank but "
+                             f"tensor_parallel_size={tp}: use 'mp' or 'external_launcher'")
+        return InProcessExecutor(spec)
+    if backend == "external_launcher":
+        return ExternalLauncherExecutor(spec, tp)
+    from kiln.distributed.mp_executor import MultiprocExecutor
+
+    return MultiprocExecutor(spec, tp)

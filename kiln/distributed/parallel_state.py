@@ -1,0 +1,150 @@
+"""The rank grid and one coordinator per process group.
+
+A process knows up to three groups: the world (every rank, plus the engine process under
+the `mp` executor), and the tensor-parallel group it belongs to. Each `GroupCoordinator`
+holds a device group for tensors (NCCL on CUDA, gloo on the CPU) and a CPU group (gloo)
+for pickled metadata. The grid is laid out `[-1, pp, tp]` (vLLM's order, with PP and DP
+still 1), so adding pipeline or data parallelism later adds groups, not a new layout.
+
+Without `init_distributed` every getter returns the trivial group of size 1, and its
+collectives return their input unchanged: the single-process path never touches
+torch.distributed and its graphs carry no collective at all.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# The bound on any one collective or control message; a peer that hangs past it fails
+# the step instead of hanging the engine. Generous, because start-up waits behind cold
+# compiles (minutes on a small CPU).
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("KILN_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+@dataclass
+class GroupCoordinator:
+    """One group as seen by one process: `rank` is the position in `ranks` (global ranks);
+    `device_group` carries tensors, `cpu_group` objects and barriers."""
+
+    name: str
+    ranks: list[int]
+    rank: int = 0
+    device_group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+    stats: dict[str, float] = field(default_factory=lambda: {"all_reduce_s": 0.0,
+                                                             "all_reduce_calls": 0})
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, out of place (the custom op's eager body)."""
+        if self.world_size == 1:
+            return x
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=self.device_group)
+        return out
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim`, in rank order."""
+        if self.world_size == 1:
+            return x
+        dim = dim % x.dim()
+        out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
+        _all_gather_single(out, x.contiguous(), group=self.device_group)
+        return out.view(self.world_size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place from group rank `src` (the sampled tokens, so every rank feeds the
+        same ids to its next step)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=self.ranks[src], group=self.device_group)
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)  # never NCCL: its barrier allocates on a GPU
+
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); 2.11 has only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_WORLD: GroupCoordinator | None = None
+_TP: GroupCoordinator | None = None
+
+
+def _trivial(name: str) -> GroupCoordinator:
+    return GroupCoordinator(name, [0])
+
+
+def get_world_group() -> GroupCoordinator:
+    return _WORLD or _trivial("world")
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _TP or _trivial("tp")
+
+
+def tp_rank() -> int:
+    return get_tp_group().rank
+
+
+def tp_size() -> int:
+    return get_tp_group().world_size
+
+
+def device_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(world_size: int, rank: int, init_method: str = "env://") -> None:
+    """Join the world (gloo: it also carries the CPU groups); idempotent per process."""
+    global _WORLD
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=init_method, world_size=world_size,
+                                rank=rank,
+                                timeout=datetime.timedelta(seconds=timeout_s()))
+    _WORLD = GroupCoordinator("world", list(range(dist.get_world_size())), dist.get_rank(),
+                              dist.group.WORLD, dist.group.WORLD)
+
+
+def initialize_model_parallel(tp: int, device: torch.device, num_workers: int) -> None:
+    """Carve TP groups out of the first `num_workers` world ranks (the engine process, if
+    any, sits above them and joins no TP group). Every world rank must call this: creating
+    a group is itself a collective."""
+    global _TP
+    grid = torch.arange(num_workers).reshape(-1, 1, tp)  # [dp, pp, tp]
+    me = dist.get_rank()
+    for ranks in grid.view(-1, tp).tolist():
+        cpu = dist.new_group(ranks, backend="gloo")
+        dev = cpu if device.type == "cpu" else dist.new_group(ranks,
+                                                                backend=device_backend(device))
+        if me in ranks:
+            _TP = GroupCoordinator("tp", ranks, ranks.index(me), dev, cpu)
+    if _TP is not None:
+        logger.info("rank %d: tensor-parallel rank %d of %d (ranks %s)", me, _TP.rank,
+                    _TP.world_size, _TP.ranks)
+
+
+def destroy_distributed() -> None:
+    """Leave every group (device groups first, then the world). Safe to call twice."""
+    global _WORLD, _TP
+    _TP = _WORLD = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

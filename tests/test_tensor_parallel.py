@@ -1,0 +1,214 @@
+"""Tensor parallelism on gloo: tp=2 (and SmolLM2 at tp=3) against tp=1 and transformers,
+through the `mp` executor and through `torchrun` (`external_launcher`), plus start-up
+checks and a warm start per rank.
+
+Cost: every tp=2 engine is real worker processes; the one cold compile (Qwen3 at -O2,
+both ranks in parallel) is paid once, by the `mp` case, and the torchrun launch then
+loads those same per-rank entries (the warm-start check)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import TINY, hf_greedy
+
+from kiln import LLM, SamplingParams
+
+HERE = Path(__file__).parent
+WORKER = HERE / "tp_worker.py"
+sys.path.insert(0, str(HERE))
+from tp_worker import PROMPTS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, tuple[Path, transformers.PreTrainedModel]]:
+    """Tiny Llama (4 heads, 2 KV heads) and tiny Qwen3 with ONE KV head: at tp=2 its KV
+    head is replicated on both ranks."""
+    root = tmp_path_factory.mktemp("tp")
+    configs = {"llama": transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
+               "qwen3": transformers.Qwen3Config(**{**TINY, "num_key_value_heads": 1},
+                                                 head_dim=32)}
+    out = {}
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+        model.save_pretrained(root / name)
+        out[name] = (root / name, model)
+    return out
+
+
+def reference(model: transformers.PreTrainedModel) -> list[list[int]]:
+    return [hf_greedy(model, p, 12) for p in PROMPTS]
+
+
+def run_cases(cases: list[dict], torchrun: int = 0, timeout: float = 400) -> list[dict]:
+    cmd = [sys.executable, str(WORKER), json.dumps(cases)]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+               str(torchrun), "--master-port", str(_free_port()), *cmd[1:]]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                         env=os.environ.copy())
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULTS "))
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_mp_tp2_matches_transformers_at_o0_and_o2(models):
+    """`mp`: this test's subprocess is the engine, two workers hold the shards."""
+    cases = [{"model": str(models["llama"][0]), "level": 0, "tp": 2},
+             {"model": str(models["qwen3"][0]), "level": 0, "tp": 2},
+             {"model": str(models["qwen3"][0]), "level": 2, "tp": 2}]
+    results = run_cases(cases)
+    for case, result in zip(cases, results):
+        name = Path(case["model"]).name
+        assert result["tokens"] == reference(models[name][1]), case
+        assert len(result["counters"]) == 2  # one report per rank
+
+
+def test_torchrun_tp2_matches_transformers_and_starts_warm(models):
+    """`external_launcher` under torchrun; the Qwen3 -O2 entries the mp test compiled are
+    loaded on both ranks with no Inductor compile (cache keys are per rank, and the same
+    under either executor). Run alone, it compiles them itself and checks them warm in
+    a second engine."""
+    qwen3 = str(models["qwen3"][0])
+    cases = [{"model": str(models["llama"][0]), "level": 0, "tp": 2},
+             {"model": qwen3, "level": 2, "tp": 2}, {"model": qwen3, "level": 2, "tp": 2}]
+    for case in cases:
+        case["backend"] = "external_launcher"
+    results = run_cases(cases, torchrun=2)
+    for case, result in zip(cases, results):
+        assert result["tokens"] == reference(models[Path(case["model"]).name][1]), case
+    warm = results[2]["counters"]
+    assert [c["num_inductor_compiles"] for c in warm] == [0, 0]
+    assert [c["num_compiled_artifacts_loaded"] for c in warm] == [1, 1]
+
+
+def test_smollm2_tp3_matches_transformers(smollm2_dir, smollm2_hf):
+    """9 query heads and 3 KV heads: two ranks cannot split them, three can (one thread
+    each on this host). -O0: the sharding is what is under test, not the compiler."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    llm = LLM(str(smollm2_dir), dtype="float32", optimization_level=0, progress=False,
+              tensor_parallel_size=3, max_model_len=256, num_kv_blocks=32)
+    try:
+        out = llm.generate({"prompt_token_ids": ids},
+                           SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert out[0].outputs[0].token_ids == hf_greedy(smollm2_hf, ids, 16,
+                                                     stop_at_eos=True)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not split"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "'uni'"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
+     "distributed_executor_backend='ray'"),
+    (dict(tensor_parallel_size=10_000), "exceeds what this host allows"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="external_launcher"),
+     "torchrun"),
+])
+def test_bad_parallel_config_is_a_startup_value_error(models, kwargs, field, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=field):
+        LLM(str(models["llama"][0]), dtype="float32", optimization_level=0, progress=False,
+            num_kv_blocks=16, **kwargs)
+
+
+def _children(pid: int) -> list[int]:
+    """Live descendants of `pid` (from /proc: no psutil here)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":  # zombies are dead, just not reaped yet
+                parents[int(entry.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_serve_tp2_answers_openai_and_dies_cleanly_when_a_worker_is_killed(
+        tmp_path, smollm2_dir):
+    """`kiln serve -tp 2` answers the real client like a tp=1 engine; killing worker
+    rank 1 mid-stream fails the stream with an error naming the rank, /health turns 503,
+    the server exits non-zero within 30 s and leaves no process behind."""
+    import time
+
+    import httpx
+    import openai
+    from server_utils import (API_KEY, ENGINE_KWARGS, MODEL_NAME, make_tiny_chat_model,
+                              start_server, stop_server, wait_ready)
+
+    model_dir = make_tiny_chat_model(tmp_path / "model", smollm2_dir)
+    server = start_server(model_dir, tmp_path / "server.log", "-tp", "2")
+    try:
+        ref = LLM(str(model_dir), progress=False, **ENGINE_KWARGS)
+        expected = ref.generate("The capital of France is",
+                                SamplingParams(temperature=0, max_tokens=12),
+                                use_tqdm=False)[0].outputs[0].text
+        wait_ready(server)
+        client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0,
+                               timeout=60)
+        res = client.completions.create(model=MODEL_NAME, prompt="The capital of France is",
+                                        max_tokens=12, temperature=0)
+        assert res.choices[0].text == expected
+        workers = [p for p in _children(server.proc.pid)
+                   if "kiln.distributed.mp_executor" in _cmdline(p)]
+        assert len(workers) == 2, [_cmdline(p) for p in _children(server.proc.pid)]
+        family = _children(server.proc.pid)
+        stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time",
+                                           max_tokens=None, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(workers[1], 9)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError, match="rank 1"):
+            for _ in stream:
+                pass
+        health = httpx.get(f"{server.base_url}/health", timeout=10)
+        assert health.status_code == 503
+        server.proc.wait(timeout=30)
+        assert time.monotonic() - killed < 30
+        assert server.proc.returncode != 0
+        time.sleep(0.5)  # let init reap what the server's exit orphaned
+        left = [_cmdline(p) for p in family if "kiln" in _cmdline(p)]
+        assert left == [], left
+    finally:
+        if server.proc.poll() is None:
+            stop_server(server)

@@ -1,0 +1,35 @@
+"""Run by the tensor-parallel tests: one engine per case, greedy token ids out as JSON.
+
+`python tp_worker.py CASES_JSON` (the `mp` executor: this process is the engine) or
+`torchrun --nproc-per-node N tp_worker.py CASES_JSON` (`external_launcher`: every rank
+runs it; rank 0 prints). Each case: {"model", "level", "tp", "backend"}. Every result
+carries each rank's compile counters, so a warm start can be checked per rank.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from kiln import LLM, SamplingParams
+
+PROMPTS = [[1, 5, 9, 33, 7], [1, 300, 2, 77, 11, 12, 13, 14, 15, 16], [1, 42]]
+
+
+def run(case: dict) -> dict:
+    llm = LLM(case["model"], dtype="float32", optimization_level=case["level"],
+              progress=False, num_kv_blocks=64, max_model_len=128,
+              tensor_parallel_size=case["tp"],
+              distributed_executor_backend=case.get("backend"))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    reports = llm.engine.executor.collective_rpc("compile_report")
+    driver = llm.engine.executor.is_driver
+    llm.shutdown()
+    return {"driver": driver, "tokens": [o.outputs[0].token_ids for o in outs],
+            "counters": [r["counters"] for r in reports]}
+
+
+if __name__ == "__main__":
+    results = [run(case) for case in json.loads(sys.argv[1])]
+    if results[0]["driver"]:
+        print("RESULTS " + json.dumps(results), flush=True)
