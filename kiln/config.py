@@ -212,7 +212,7 @@ class EngineConfig:
                              "'external_launcher'")
         if backend == "external_launcher":
             return  # the ranks may span hosts: torchrun decides what runs where
-        if self.device == "cuda" and tp > torch.cuda.device_count():
+        if self.device == "cuda" and tp > 1 and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} exceeds the "
                              f"{torch.cuda.device_count()} CUDA devices here")
         cpus = cpu_threads_per_rank(1)

@@ -50,8 +50,10 @@ def check_pngs(tmp_path: Path, *names: str) -> None:
 
 
 def test_latency(tiny, tmp_path, capsys):
-    r = bench(tmp_path, "latency", "--model", tiny, "--batch-size", "2", "--input-len", "8",
-              "--output-len", "5", "--num-iters", "2", "--num-iters-warmup", "1")
+    # -O0: the harness is under test, not the compiler (`kiln bench compile` covers that;
+    # a tiny -O2 build here cost 30 s of the suite).
+    r = bench(tmp_path, "latency", "--model", tiny, "-O0", "--batch-size", "2",
+              "--input-len", "8", "--output-len", "5", "--num-iters", "2", "--num-iters-warmup", "1")
     assert r["mode"] == "latency" and r["config"]["batch_size"] == 2
     assert r["device"].startswith("cpu:") and r["kiln_version"]
     check_summary(r["prefill_ms"], n=2)
@@ -65,7 +67,7 @@ def test_latency(tiny, tmp_path, capsys):
 
 
 def test_throughput(tiny, tmp_path):
-    r = bench(tmp_path, "throughput", "--model", tiny, "--num-prompts", "5", "--input-len",
+    r = bench(tmp_path, "throughput", "--model", tiny, "-O0", "--num-prompts", "5", "--input-len",
               "8", "--output-len", "4", "--random-range-ratio", "0.5")
     assert r["num_requests"] == 5 and r["total_output_tokens"] >= 5
     assert r["total_input_tokens"] >= 5 * 4  # lengths drawn in 4..12

@@ -28,20 +28,43 @@ def run_worker(model: Path, cache: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cold(tiny_models, tmp_path_factory):
-    """One cold run into an empty cache (the expensive part, shared by the tests)."""
-    cache = tmp_path_factory.mktemp("cache")
-    return tiny_models["llama"][0], cache, run_worker(tiny_models["llama"][0], cache)
+def racers(tiny_models, tmp_path_factory) -> tuple[Path, Path, list[dict]]:
+    """Two processes warming one empty cache at once (the expensive part, shared by the
+    tests): they exercise every lock and rename, and leave the cold cache the others
+    copy and damage."""
+    model, cache = tiny_models["llama"][0], tmp_path_factory.mktemp("cache")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(model), str(cache)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return model, cache, results
+
+
+@pytest.fixture(scope="module")
+def cold(racers) -> tuple[Path, Path, dict]:
+    """The racer that compiled (both may have, artifact by artifact)."""
+    model, cache, results = racers
+    first = max(results, key=lambda r: r["counters"]["num_inductor_compiles"])
+    return model, cache, first
 
 
 def _artifacts(result: dict) -> list[Path]:
     return sorted(Path(result["cache"], "artifacts").iterdir())
 
 
-def test_cold_saves_and_warm_process_loads_without_compiling(cold, tmp_path):
+def test_cold_saves_and_warm_process_loads_without_compiling(racers, cold, tmp_path):
     model, cache, first = cold
-    c = first["counters"]
-    assert c["num_inductor_compiles"] == c["num_compiled_artifacts_saved"] == 3
+    counters = [r["counters"] for r in racers[2]]
+    # Every artifact was built by one racer or the other and saved by whoever built it;
+    # each racer ends with all three, built or loaded.
+    assert sum(c["num_inductor_compiles"] for c in counters) >= 3, counters
+    assert sum(c["num_compiled_artifacts_saved"] for c in counters) >= 3, counters
+    assert all(c["num_inductor_compiles"] + c["num_compiled_artifacts_loaded"] >= 3
+               for c in counters), counters
     assert first["compiler_calls"]  # the audit does see g++ when it runs
     assert all(verify_artifact(a) is None for a in _artifacts(first))
     assert (Path(first["cache"]) / "cache_key_factors.json").exists()
@@ -104,17 +127,8 @@ def test_broken_artifacts_are_detected_and_repaired(cold, tmp_path):
     assert all(verify_artifact(v) is None for v in victims)  # rebuilt in place
 
 
-def test_concurrent_processes_warm_one_empty_cache(tiny_models, tmp_path):
-    # Two racing warmers exercise every lock and rename (a third cost 25 s more).
-    model = tiny_models["qwen2"][0]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(model), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=900)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+def test_concurrent_processes_warm_one_empty_cache(racers):
+    results = racers[2]
     assert len({json.dumps(r["tokens"]) for r in results}) == 1
     artifacts = _artifacts(results[0])
     assert len(artifacts) == 3 and all(verify_artifact(a) is None for a in artifacts)

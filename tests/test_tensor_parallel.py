@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from conftest import TINY, hf_greedy
+from server_utils import free_port
 
 from kiln import LLM, SamplingParams
 
@@ -51,7 +52,7 @@ def run_cases(cases: list[dict], torchrun: int = 0, timeout: float = 400) -> lis
     cmd = [sys.executable, str(WORKER), json.dumps(cases)]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(torchrun), "--master-port", str(_free_port()), *cmd[1:]]
+               str(torchrun), "--master-port", str(free_port()), *cmd[1:]]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                          env=os.environ.copy())
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
@@ -59,18 +60,11 @@ def run_cases(cases: list[dict], torchrun: int = 0, timeout: float = 400) -> lis
     return json.loads(line.removeprefix("RESULTS "))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_mp_tp2_matches_transformers_at_o0_and_o2(models):
-    """`mp`: this test's subprocess is the engine, two workers hold the shards."""
+    """`mp`: this test's subprocess is the engine, two workers hold the shards. Each
+    executor runs both models; Qwen3 (qk-norm, a replicated KV head) is the -O2 case for
+    both, as one cold tp=2 compile costs about 45 s here."""
     cases = [{"model": str(models["llama"][0]), "level": 0, "tp": 2},
-             {"model": str(models["qwen3"][0]), "level": 0, "tp": 2},
              {"model": str(models["qwen3"][0]), "level": 2, "tp": 2}]
     results = run_cases(cases)
     for case, result in zip(cases, results):
@@ -80,19 +74,20 @@ def test_mp_tp2_matches_transformers_at_o0_and_o2(models):
 
 
 def test_torchrun_tp2_matches_transformers_and_starts_warm(models):
-    """`external_launcher` under torchrun; the Qwen3 -O2 entries the mp test compiled are
-    loaded on both ranks with no Inductor compile (cache keys are per rank, and the same
-    under either executor). Run alone, it compiles them itself and checks them warm in
-    a second engine."""
+    """`external_launcher` under torchrun. The Qwen3 -O2 entries the mp test compiled
+    are loaded on both ranks with no Inductor compile: cache keys are per rank and the
+    same under either executor. (Run alone, the first -O2 engine compiles them and the
+    second is the warm one.)"""
     qwen3 = str(models["qwen3"][0])
     cases = [{"model": str(models["llama"][0]), "level": 0, "tp": 2},
-             {"model": qwen3, "level": 2, "tp": 2}, {"model": qwen3, "level": 2, "tp": 2}]
+             {"model": qwen3, "level": 0, "tp": 2}, {"model": qwen3, "level": 2, "tp": 2},
+             {"model": qwen3, "level": 2, "tp": 2}]
     for case in cases:
         case["backend"] = "external_launcher"
     results = run_cases(cases, torchrun=2)
     for case, result in zip(cases, results):
         assert result["tokens"] == reference(models[Path(case["model"]).name][1]), case
-    warm = results[2]["counters"]
+    warm = results[3]["counters"]
     assert [c["num_inductor_compiles"] for c in warm] == [0, 0]
     assert [c["num_compiled_artifacts_loaded"] for c in warm] == [1, 1]
 
@@ -212,3 +207,35 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_when_a_worker_is_killed(
     finally:
         if server.proc.poll() is None:
             stop_server(server)
+
+
+def test_hung_worker_times_out_instead_of_hanging(models, monkeypatch):
+    """A worker that stops answering (SIGSTOP) fails the step within the group timeout
+    (KILN_DIST_TIMEOUT_S, 5 s here) with WorkerDiedError; dropping the `LLM` then
+    leaves no worker."""
+    import gc
+    import signal
+    import time
+
+    from kiln.distributed.mp_executor import WorkerDiedError
+
+    monkeypatch.setenv("KILN_DIST_TIMEOUT_S", "5")
+    llm = LLM(str(models["llama"][0]), dtype="float32", optimization_level=0,
+              progress=False, num_kv_blocks=32, tensor_parallel_size=2)
+    workers = [p for p in _children(os.getpid())
+               if "kiln.distributed.mp_executor" in _cmdline(p)]
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerDiedError, match="worker rank|timed out"):
+            llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4),
+                         use_tqdm=False)
+        assert time.monotonic() - start < 30
+    except BaseException:
+        llm.shutdown()
+        raise
+    del llm  # garbage collection alone must stop the workers
+    gc.collect()
+    time.sleep(0.5)
+    assert [p for p in workers if "kiln" in _cmdline(p)] == []

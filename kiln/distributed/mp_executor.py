@@ -1,10 +1,13 @@
 """`mp`: one spawned worker process per rank, driven by the engine process.
 
 Transport, all torch.distributed (gloo): the engine joins the world as its last rank
-(`tp`) and no TP group. Each step it broadcasts the scheduler output over the world group
-(measured here against pipes: 5.4 vs 14.1 ms per step in /tmp-free micro runs, see
-docs/distributed.md); rank 0 sends the runner output back point to point; an RPC's
-results come back by `gather_object`.
+(`tp`) and no TP group. Each step it broadcasts the scheduler output over the world group;
+rank 0 sends the runner output back point to point; an RPC's results come back by
+`gather_object`. Measured against one pipe per worker (benchmarks/broadcast_transport.py,
+2 workers, a 32-request decode step): gloo 3.0 ms, pipes 0.29 ms per step on a 2-vCPU VM.
+gloo is kept: in the engine the broadcast is 5.3 ms of a 360-400 ms tp=2 step (the 62
+all-reduces take 259 ms), and one transport gives every message the same timeout and
+the same prompt error when a peer dies.
 
 Workers are started as `python -m kiln.distributed.mp_executor` with their arguments
 pickled on stdin, not by multiprocessing's spawn: spawn re-imports the caller's main
@@ -70,32 +73,32 @@ class MultiprocExecutor(Executor):
         self._watchdog = threading.Thread(target=self._watch, name="kiln-watchdog",
                                           daemon=True)
         self._watchdog.start()
+        self.broadcast_s = 0.0  # engine-side time in the per-step broadcast
+        self._in_call = False  # between a message's broadcast and its reply
         try:
             init_distributed(tp + 1, tp, f"tcp://127.0.0.1:{port}")
             initialize_model_parallel(tp, device, tp)
             replies = self._gather()
         except BaseException:
-            self.shutdown()
-            raise self._error() from None
+            error = self._error()
+            self._stop(graceful=False)
+            raise error from None
         errors = [r for r in replies if r[0] == "error"]
         if errors:
-            self.shutdown()
+            self._stop(graceful=False)
             kind, message = errors[0][1], errors[0][2]
             raise (ValueError if kind == "ValueError" else RuntimeError)(message)
         self._describe(replies[0][1])
-        self.broadcast_s = 0.0  # engine-side time in the per-step broadcast
 
     # ---- supervision ---------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._closing:
-            for rank, proc in enumerate(self.procs):
-                code = proc.poll()
-                if code is not None and not self._closing:
-                    self._dead = (f"worker rank {rank} (pid {proc.pid}) died with exit code "
-                                  f"{code}")
-                    logger.error("%s; stopping the other workers", self._dead)
-                    self._kill_all()
-                    return
+            dead = [(r, p) for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead and not self._closing:
+                self._dead = _death_report(dead)
+                logger.error("%s; stopping the other workers", self._dead)
+                self._kill_all()
+                return
             time.sleep(0.1)
 
     def _kill_all(self) -> None:
@@ -123,6 +126,7 @@ class MultiprocExecutor(Executor):
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
+        self._in_call = True
         try:
             start = time.perf_counter()
             self._send(("execute", so))
@@ -131,34 +135,66 @@ class MultiprocExecutor(Executor):
             dist.recv_object_list(reply, src=0)
         except RuntimeError:
             raise self._error() from None
+        self._in_call = False
         return reply[0]
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self.check_health()
+        self._in_call = True
         try:
             self._send(("rpc", method, args))
-            return self._gather()
+            out = self._gather()
         except RuntimeError:
             raise self._error() from None
+        self._in_call = False
+        return out
 
     def shutdown(self) -> None:
         """Stop the workers (politely, then by force) and leave the process group.
         Idempotent; safe from a finalizer."""
+        self._stop(graceful=True)
+
+    def _stop(self, graceful: bool) -> None:
         if self._closing:
             return
         self._closing = True
-        if self._dead is None and all(p.poll() is None for p in self.procs):
+        # Politely only between steps: interrupted mid-step (Ctrl-C, an error), the workers
+        # wait in a different collective and a broadcast would only hang to the timeout.
+        graceful = graceful and not self._in_call and self._dead is None
+        if graceful and all(p.poll() is None for p in self.procs):
             try:
                 self._send(("shutdown",))
             except Exception:  # noqa: BLE001 - a worker went away meanwhile: force below
-                pass
-        deadline = time.monotonic() + 10
+                graceful = False
+        deadline = time.monotonic() + (10 if graceful else 0)
         for p in self.procs:
             _wait(p, max(0.0, deadline - time.monotonic()))
         self._kill_all()
         for p in self.procs:
             _wait(p, 5)
         destroy_distributed()
+
+
+# A worker whose collective failed because a peer went away exits with this code, so the
+# report can name the peer that died first rather than the ones that followed it.
+PEER_LOST = 3
+
+
+def _death_report(dead: list[tuple[int, subprocess.Popen]]) -> str:
+    """Name the root cause among the workers found dead in one scan: killed by a signal
+    first, then a worker's own failure, then those that only lost a peer."""
+    def cause(item: tuple[int, subprocess.Popen]) -> tuple[int, int]:
+        code = item[1].returncode
+        return (0 if code < 0 else 2 if code == PEER_LOST else 1, item[0])
+
+    dead = sorted(dead, key=cause)
+    rank, proc = dead[0]
+    code = proc.returncode
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    report = f"worker rank {rank} (pid {proc.pid}) {how}"
+    if len(dead) > 1:
+        report += f"; rank {', '.join(str(r) for r, _ in dead[1:])} exited after it"
+    return report
 
 
 def _wait(proc: subprocess.Popen, seconds: float) -> None:
@@ -194,6 +230,8 @@ def _worker_main(rank: int, tp: int, port: int, spec: RunnerSpec, threads: int,
                                                 "%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     torch.set_num_threads(threads)
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)  # one device per rank, on this host
     engine = tp
     init_distributed(tp + 1, rank, f"tcp://127.0.0.1:{port}")
     initialize_model_parallel(tp, torch.device(spec.device), tp)
@@ -209,10 +247,22 @@ def _worker_main(rank: int, tp: int, port: int, spec: RunnerSpec, threads: int,
         _leave(0)
     try:
         _serve(worker, rank, engine)
-    except Exception:  # noqa: BLE001 - the engine's watchdog turns our exit into its error
+    except Exception as exc:  # noqa: BLE001 - the engine's watchdog turns our exit into its error
+        if _peer_lost(exc):
+            logger.error("rank %d lost a peer: %s", rank, str(exc).splitlines()[0])
+            os._exit(PEER_LOST)
         logger.error("rank %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)
     _leave(0)
+
+
+def _peer_lost(exc: Exception) -> bool:
+    """A collective that failed because another process went away or hung (gloo raises
+    these as plain RuntimeErrors; DistBackendError where torch classifies them)."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection reset", "Connection closed", "Timed out", "timed out",
+                            "gloo")))
 
 
 def _serve(worker: Worker, rank: int, engine: int) -> None:

@@ -53,7 +53,12 @@ class LLMEngine:
                                                 config.tensor_parallel_size, spec)
         # Workers stop with the engine: garbage-collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
-        check_kv_capacity(self.executor.num_kv_blocks, config.block_size, self.max_model_len)
+        try:
+            check_kv_capacity(self.executor.num_kv_blocks, config.block_size,
+                              self.max_model_len)
+        except ValueError:
+            self._finalizer()  # a failed start-up leaves no worker behind
+            raise
         kv = KVCacheManager(self.executor.kv_spec, self.executor.num_kv_blocks,
                             enable_caching=config.enable_prefix_caching)
         self._hasher = BlockHasher(config.block_size) if config.enable_prefix_caching else None

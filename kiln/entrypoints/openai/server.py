@@ -43,6 +43,10 @@ def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
             raise ValueError(f"model given twice ({args.model_tag!r} and --model "
                              f"{args.model!r}): give one")
         args.model = args.model_tag
+    if args.distributed_executor_backend == "external_launcher":
+        raise ValueError("distributed_executor_backend='external_launcher' cannot serve: its "
+                         "ranks each run an engine and only rank 0 would see requests; use "
+                         "'mp' (the default with -tp N)")
     if not 0 < args.port < 65536:
         raise ValueError(f"port={args.port} must be in 1..65535")
     max_body = parse_bytes(args.max_request_body_bytes, "max_request_body_bytes")
