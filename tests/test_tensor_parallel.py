@@ -73,6 +73,21 @@ def test_mp_tp2_matches_transformers_at_o0_and_o2(models):
         assert len(result["counters"]) == 2  # one report per rank
 
 
+def test_warmup_tp2_reports_every_rank(models):
+    """`kiln warmup -tp 2` builds (or loads) every rank's entry and reports each rank;
+    after the mp test both ranks load theirs."""
+    res = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli", "warmup", "--model",
+                          str(models["qwen3"][0]), "-O2", "--dtype", "float32", "-tp", "2",
+                          "--num-kv-blocks", "64", "--max-model-len", "128"],
+                         capture_output=True, text=True, timeout=400, env=os.environ.copy())
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert " rank 0 of 2" in res.stdout and " rank 1 of 2" in res.stdout, res.stdout
+    caches = [line.split()[1] for line in res.stdout.splitlines()
+              if line.strip().startswith("cache ")]
+    assert len(set(caches)) == 2  # one entry per rank
+    assert res.stdout.count("builds") == 2
+
+
 def test_torchrun_tp2_matches_transformers_and_starts_warm(models):
     """`external_launcher` under torchrun. The Qwen3 -O2 entries the mp test compiled
     are loaded on both ranks with no Inductor compile: cache keys are per rank and the

@@ -95,7 +95,8 @@ class MultiprocExecutor(Executor):
         while not self._closing:
             dead = [(r, p) for r, p in enumerate(self.procs) if p.poll() is not None]
             if dead and not self._closing:
-                self._dead = _death_report(dead)
+                if self._dead is None:
+                    self._dead = _death_report(dead)
                 logger.error("%s; stopping the other workers", self._dead)
                 self._kill_all()
                 return
@@ -107,9 +108,14 @@ class MultiprocExecutor(Executor):
                 p.kill()
 
     def _error(self) -> WorkerDiedError:
-        self._watchdog.join(5)  # the failed collective may beat the watchdog: let it name the rank
-        return WorkerDiedError(self._dead or "a collective with the workers failed or timed "
-                               f"out (KILN_DIST_TIMEOUT_S={timeout_s():.0f})")
+        """After a failed collective: the executor is dead for good (the workers sit in
+        an unknown collective), and the error names the first worker that died."""
+        self._watchdog.join(5)  # the collective may fail before the watchdog's next scan
+        if self._dead is None:
+            self._dead = (f"a collective with the workers failed or timed out "
+                          f"(KILN_DIST_TIMEOUT_S={timeout_s():.0f})")
+        self._kill_all()
+        return WorkerDiedError(self._dead)
 
     def check_health(self) -> None:
         if self._dead:

@@ -63,8 +63,14 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 def check_tensor_parallel(mc: ModelConfig, tp: int) -> None:
     """Heads, MLP width and KV heads must split over `tp` ranks (KV heads may instead be
     replicated: tp a multiple of num_kv_heads)."""
-    if tp == 1:
-        return
+    problems = _tp_problems(mc, tp)
+    if problems:
+        fits = [d for d in range(1, mc.num_heads + 1) if not _tp_problems(mc, d)]
+        raise ValueError(f"tensor_parallel_size={tp} does not split this model's "
+                         f"{', '.join(problems)}; sizes that do: {fits}")
+
+
+def _tp_problems(mc: ModelConfig, tp: int) -> list[str]:
     problems = []
     if mc.num_heads % tp:
         problems.append(f"num_attention_heads={mc.num_heads}")
@@ -74,10 +80,7 @@ def check_tensor_parallel(mc: ModelConfig, tp: int) -> None:
     if (nkv % tp) if tp <= nkv else (tp % nkv):
         problems.append(f"num_key_value_heads={nkv} (tp must divide it or be a multiple "
                         "of it)")
-    if problems:
-        divisors = [d for d in range(1, mc.num_heads + 1) if mc.num_heads % d == 0]
-        raise ValueError(f"tensor_parallel_size={tp} does not split this model's "
-                         f"{', '.join(problems)}; try one of {divisors}")
+    return problems
 
 
 def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
