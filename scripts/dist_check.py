@@ -10,7 +10,8 @@ where to look:
   2. the device backend's all_reduce (NCCL on CUDA: driver, NCCL, /dev/shm);
   3. broadcast of a Python object over the CPU group (the executor's control path);
   4. kiln's collective custom ops, eager and inside torch.compile (the compiled path);
-  5. on CUDA, an all_reduce captured in a CUDA graph, correct after replay.
+  5. on CUDA, an all_reduce captured in a CUDA graph, correct after replay;
+then it times one decode-sized all-reduce (what each row-parallel layer pays per step).
 """
 from __future__ import annotations
 
@@ -83,11 +84,33 @@ def main() -> int:
     if device.type == "cuda":
         results.append(_check("all_reduce in a CUDA graph, after replay",
                               _cuda_graph_all_reduce(tp, world), rank))
+    _time_all_reduce(tp, device, rank)
     tp.barrier()
     dist.destroy_process_group()
     if rank == 0:
         print("all passed" if all(results) else "FAILED", flush=True)
     return 0 if all(results) else 1
+
+
+def _time_all_reduce(tp, device, rank: int, calls: int = 200) -> None:
+    """Latency of one small all-reduce (a decode step's hidden row) on the device group:
+    what every row-parallel layer pays per step."""
+    import time
+
+    import torch
+
+    x = torch.ones(1, 576, device=device)
+    for _ in range(20):
+        tp.all_reduce(x)
+    tp.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        tp.all_reduce(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"  info  all_reduce of [1, 576] fp32: "
+              f"{1e6 * (time.perf_counter() - start) / calls:.0f} us per call", flush=True)
 
 
 def _cuda_graph_all_reduce(tp, world: int) -> bool:

@@ -89,16 +89,18 @@ _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
 
 
-def _trivial(name: str) -> GroupCoordinator:
-    return GroupCoordinator(name, [0])
+# The size-1 groups of a process that never initialised torch.distributed: built once,
+# as eager layers ask for the TP size on every call.
+_TRIVIAL_WORLD = GroupCoordinator("world", [0])
+_TRIVIAL_TP = GroupCoordinator("tp", [0])
 
 
 def get_world_group() -> GroupCoordinator:
-    return _WORLD or _trivial("world")
+    return _WORLD or _TRIVIAL_WORLD
 
 
 def get_tp_group() -> GroupCoordinator:
-    return _TP or _trivial("tp")
+    return _TP or _TRIVIAL_TP
 
 
 def tp_rank() -> int:
