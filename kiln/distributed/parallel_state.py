@@ -49,10 +49,6 @@ class GroupCoordinator:
     def world_size(self) -> int:
         return len(self.ranks)
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the group, out of place (the custom op's eager body)."""
         if self.world_size == 1:
