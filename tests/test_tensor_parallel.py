@@ -60,12 +60,13 @@ def run_cases(cases: list[dict], torchrun: int = 0, timeout: float = 400) -> lis
     return json.loads(line.removeprefix("RESULTS "))
 
 
-def test_mp_tp2_qwen3_matches_transformers_at_o2(models):
+def test_mp_tp2_qwen3_matches_transformers_at_o0_and_o2(models):
     """`mp`: this test's subprocess is the engine, two workers hold the shards. Each
     executor runs both models (Llama under mp at -O0: the hung-worker test, with this
     process as the engine); Qwen3 (qk-norm, a replicated KV head) is the -O2 case for
     both, as one cold tp=2 compile costs about 45 s here."""
-    cases = [{"model": str(models["qwen3"][0]), "level": 2, "tp": 2}]
+    cases = [{"model": str(models["qwen3"][0]), "level": 0, "tp": 2},
+             {"model": str(models["qwen3"][0]), "level": 2, "tp": 2}]
     results = run_cases(cases)
     for case, result in zip(cases, results):
         name = Path(case["model"]).name
