@@ -157,9 +157,16 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # "uni" | "mp" | "external_launcher"; None: "mp" when tensor_parallel_size > 1
     distributed_executor_backend: str | None = None
+    # "int8" | "gguf" | "none"; None: what the checkpoint is (a quantized GGUF stays so)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
+        from kiln.quantization import CHOICES
+
+        if self.quantization is not None and self.quantization not in CHOICES:
+            raise ValueError(f"quantization={self.quantization!r} must be one of "
+                             f"{', '.join(CHOICES)}, or unset to follow the checkpoint")
         if self.optimization_level not in tuple(OptimizationLevel):
             raise ValueError(f"optimization_level={self.optimization_level!r} must be 0, 1, "
                              "2 or 3 (-O0..-O3)")

@@ -83,7 +83,10 @@ def _gguf_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, np.ndarray]]:
             yield f"blk.{layer}.{kind}.{suffix}", array
 
 
-def write_tiny_gguf(model: LlamaForCausalLM, path: Path, *, tokenizer: bool) -> Path:
+def write_tiny_gguf(model: LlamaForCausalLM, path: Path, *, tokenizer: bool,
+                    types: dict[str, str] | None = None) -> Path:
+    """`types` maps a GGUF tensor kind ("attn_q", "token_embd", ...) to a quantized type
+    name ("Q4_1"): that tensor is written quantized (gguf's own reference quantizer)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(cfg.num_hidden_layers)
@@ -110,7 +113,13 @@ def write_tiny_gguf(model: LlamaForCausalLM, path: Path, *, tokenizer: bool) -> 
         writer.add_add_bos_token(False)
         writer.add_chat_template(CHATML)
     for name, array in _gguf_tensors(model):
-        writer.add_tensor(name, array)
+        kind = name.split(".")[-2]
+        qtype = (types or {}).get(kind)
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(name, gguf.quants.quantize(array, t), raw_dtype=t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -18,6 +18,7 @@ from kiln.compiler import compilation_counter
 from kiln.config import CompilationConfig
 from kiln.distributed.parallel_state import get_tp_group
 from kiln.models import ModelConfig
+from kiln.quantization import QuantizationConfig
 from kiln.runner import ModelRunner, RunnerLimits
 from kiln.scheduler import ModelRunnerOutput, SchedulerOutput
 
@@ -37,6 +38,7 @@ class RunnerSpec:
     compilation: CompilationConfig | None = None
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
 
 
 def cpu_threads_per_rank(local_ranks: int) -> int:
@@ -57,7 +59,8 @@ class Worker:
                                   spec.limits, kv_cache_memory=spec.kv_cache_memory,
                                   num_kv_blocks=spec.num_kv_blocks,
                                   attention_backend=spec.attention_backend,
-                                  compilation=spec.compilation, progress=spec.progress)
+                                  compilation=spec.compilation, progress=spec.progress,
+                                  quantization=spec.quantization)
         self.step_s = 0.0
         self.steps = 0
 

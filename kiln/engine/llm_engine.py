@@ -19,7 +19,8 @@ from kiln.distributed.worker import RunnerSpec
 from kiln.engine.setup import (check_kv_capacity, check_tensor_parallel, load_tokenizer,
                                resolve_dtype, resolve_max_model_len)
 from kiln.models import ModelConfig, model_class
-from kiln.models.model_source import resolve_model
+from kiln.models.model_source import gguf_source, resolve_model
+from kiln.quantization import resolve_quantization
 from kiln.runner import RunnerLimits
 from kiln.sampling import SamplingParams
 from kiln.scheduler import (BlockHasher, KVCacheManager, Scheduler, SchedulerPolicy,
@@ -40,6 +41,12 @@ class LLMEngine:
         self.model_config = mc = ModelConfig.from_pretrained(path)
         model_class(mc.architecture)  # unknown architectures fail before any loading
         check_tensor_parallel(mc, config.tensor_parallel_size)
+        self.quantization = qc = resolve_quantization(config.quantization, path,
+                                                      gguf_source(config.model))
+        if qc.method == "gguf" and config.tensor_parallel_size > 1:
+            raise ValueError("quantization='gguf' runs with tensor_parallel_size=1 only (its "
+                             "blocks are not sharded yet); pass --quantization none to "
+                             "shard the dequantized weights, or -tp 1")
         self.dtype = resolve_dtype(config, mc)
         self.max_model_len = resolve_max_model_len(config, mc)
         self.tokenizer = load_tokenizer(path)
@@ -48,7 +55,8 @@ class LLMEngine:
                               self.max_model_len, config.block_size)
         spec = RunnerSpec(mc, self.dtype, config.device, limits, config.seed,
                           config.kv_cache_memory, config.num_kv_blocks,
-                          config.attention_backend, config.compilation, progress)
+                          config.attention_backend, config.compilation, progress,
+                          quantization=qc)
         self.executor: Executor = make_executor(config.distributed_executor_backend,
                                                 config.tensor_parallel_size, spec)
         # Workers stop with the engine: garbage-collected, or at interpreter exit.
@@ -70,8 +78,9 @@ class LLMEngine:
         self._last_stats_log = time.monotonic()
         self.output_processor = OutputProcessor(self.tokenizer, token_namer(self.tokenizer))
         self.load_time_s = time.perf_counter() - start
-        logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d", self.load_time_s,
-                    mc.architecture, self.dtype, self.max_model_len)
+        logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d, quantization %s",
+                    self.load_time_s, mc.architecture, self.dtype, self.max_model_len,
+                    qc.method or "none")
 
     @property
     def runner(self) -> Any:

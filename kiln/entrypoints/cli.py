@@ -51,6 +51,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap on prefill tokens per request per step (0: off)")
+    p.add_argument("-q", "--quantization", default=None, choices=["int8", "gguf", "none"],
+                   help="weight quantization: int8 (weight-only, made at load from a float "
+                        "checkpoint), gguf (a .gguf file's blocks, native), none "
+                        "(dequantize a .gguf file at load); unset: as the checkpoint is")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N ranks (processes) with torch.distributed")
     p.add_argument("--distributed-executor-backend", default=None,
@@ -120,7 +124,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
                scheduling_policy=args.scheduling_policy,
                long_prefill_token_threshold=args.long_prefill_token_threshold,
                tensor_parallel_size=args.tensor_parallel_size,
-               distributed_executor_backend=args.distributed_executor_backend)
+               distributed_executor_backend=args.distributed_executor_backend,
+               quantization=args.quantization)
 
 
 def _compilation(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,7 +170,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                        use_tqdm=len(prompts) > 1))
     elapsed = time.perf_counter() - start
     print(f"\nload {llm.engine.load_time_s:.1f} s | {tokens} tokens in {elapsed:.2f} s | "
-          f"{tokens / elapsed:.1f} tok/s")
+          f"{tokens / elapsed:.1f} tok/s | {llm.engine.dtype} activations, quantization "
+          f"{llm.engine.quantization.method or 'none'}")
     return 0
 
 

@@ -167,7 +167,7 @@ def iter_hf_tensors(
             # llama3-style rope factors have no LlamaConfig equivalent we can derive from the file.
             logger.warning("ignoring rope_freqs.weight: per-dimension rope factors are not converted")
             continue
-        name, kind = _hf_name(tensor.name)
+        name, kind = hf_name(tensor.name)
         # GGUF lists dimensions innermost-first; torch wants them outermost-first.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
@@ -178,7 +178,7 @@ def iter_hf_tensors(
         yield name, torch.from_numpy(np.ascontiguousarray(weights))
 
 
-def _hf_name(gguf_name: str) -> tuple[str, str]:
+def hf_name(gguf_name: str) -> tuple[str, str]:
     """Map a GGUF tensor name to (Hugging Face name, GGUF kind such as 'attn_q')."""
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in _BLOCK_NAMES:

@@ -6,11 +6,12 @@ import math
 import torch
 from torch import nn
 
-from kiln.ops import linear
+from kiln.quantization.methods import UNQUANTIZED
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run on a prepacked weight (`kiln.ops.linear.pack_linears`)."""
+    """nn.Linear whose GEMM is its `quant_method`'s (kiln.quantization.methods): the float
+    weight, prepacked or not (`kiln.ops.linear.pack_linears`), or a quantized one."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -18,9 +19,15 @@ class Linear(nn.Linear):
         # the graph from module paths); not persistent, as checkpoints hold `weight`.
         self.register_buffer("packed_weight", None, persistent=False)
         self.dense_from = 0  # rows from which F.linear on `weight` runs (the plan's choice)
+        # A quantized weight (kiln.quantization.packing.QuantWeight), installed at load.
+        for name in ("qcodes", "qscales", "qmins"):
+            self.register_buffer(name, None, persistent=False)
+        self.qfmt = -1
+        self.panel_from = 0  # rows from which the quantized kernel's panel path runs
+        self.quant_method = UNQUANTIZED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.dense_from)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -4,8 +4,8 @@ row-parallel, plus the checkpoint view their loaders read.
 One design serves tensor parallelism now and quantization and LoRA later:
 - the *layout* (which slice of each checkpoint tensor this rank holds) lives in the
   layer's `weight_loader`, which reads only that slice from the file;
-- the *GEMM* is `Linear.forward` (`kiln.ops.linear`: prepacked bf16 or F.linear), the one
-  place a quantization method will replace;
+- the *GEMM* is the layer's `quant_method` (kiln.quantization.methods: prepacked bf16 or
+  F.linear, or a quantized weight made after loading the local slice);
 - the *collective* after a row-parallel GEMM (all-reduce) and the gather after the
   vocab-parallel lm_head are custom ops (`kiln.distributed.ops`), so the graph stays whole.
 A LoRA adapter hooks in beside the GEMM, on the same local shapes.
@@ -133,7 +133,5 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
             return super().forward(x)
-        from kiln.ops import linear
-
-        out = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, self.dense_from))
+        out = tp_all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias

@@ -68,6 +68,14 @@ def resolve_model(model: str | None, *, progress: bool = True) -> Path:
     raise ValueError(f"model: {path} {_why_unusable(path)}; expected {_ACCEPTED}")
 
 
+def gguf_source(model: str | None) -> Path | None:
+    """The .gguf file behind `model` (the default model's, or the user's), else None."""
+    if model is None or model == DEFAULT_MODEL:
+        return default_gguf_path()
+    path = Path(model).expanduser().absolute()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
 def _why_unusable(path: Path) -> str:
     if not path.exists():
         return "does not exist"

@@ -44,6 +44,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*lead, out.shape[-1])
 
 
+def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None, bias: torch.Tensor | None, fmt: int,
+                 panel_from: int = 0) -> torch.Tensor:
+    """x @ dequant(w).T + bias over a quantized weight (kiln.quantization.packing):
+    kiln's CPU kernel where it is loaded; elsewhere the exact reference (the weight
+    dequantized per call: slower, same numbers)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if cpu_kernels.loaded() and x.device.type == "cpu":
+        out = torch.ops.kiln_cpu.linear_quant(x2, codes, scales, mins, bias, fmt, panel_from)
+    else:
+        from kiln.quantization.packing import QuantWeight, dequantize
+
+        w = dequantize(QuantWeight(fmt, codes, scales, mins), x.dtype)
+        out = F.linear(x2, w, None if bias is None else bias.to(x.dtype))
+    return out.view(*lead, out.shape[-1])
+
+
 def pack_linears(model: nn.Module,
                  plans: dict[tuple[int, int], LinearPlan] | None = None) -> int:
     """Pack every eligible kiln Linear in place, as `plans` ({(n, k): plan}, default:
@@ -56,6 +74,8 @@ def pack_linears(model: nn.Module,
         owners[id(p)] = owners.get(id(p), 0) + 1
     count = 0
     for m in linears:
+        if m.quant_method.quantized:
+            continue
         plan = (plans or {}).get(tuple(m.weight.shape), DEFAULT)
         if not (plan.pack and packable(m.weight)):
             continue
@@ -68,12 +88,16 @@ def pack_linears(model: nn.Module,
 
 
 def plan_signature(model: nn.Module) -> str | None:
-    """What the packing decided, per layer, for the compile-cache key: the compiled graph
-    calls the packed kernel (and passes `dense_from`) only where a layer is packed."""
+    """What the packing and quantization decided, per layer, for the compile-cache key:
+    the compiled graph calls the packed kernel (and passes `dense_from`) only where a
+    layer is packed, and the quantized kernel with its format and panel row count."""
     from kiln.models.layers import Linear
 
     layers = [(name, m.dense_from) for name, m in model.named_modules()
               if isinstance(m, Linear) and m.packed_weight is not None]
+    # Quantized layers: their format and panel row count are constants in the graph.
+    layers += [(name, m.qfmt, m.panel_from) for name, m in model.named_modules()
+               if isinstance(m, Linear) and m.quant_method.quantized]
     return hashlib.sha256(repr(layers).encode()).hexdigest()[:16] if layers else None
 
 
@@ -85,6 +109,12 @@ def register_fakes() -> None:
                             dense: torch.Tensor | None = None,
                             dense_from: int = 0) -> torch.Tensor:
         return x.new_empty((x.shape[0], wp.shape[0] * 16))
+
+    @torch.library.register_fake("kiln_cpu::linear_quant")
+    def _linear_quant_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                           mins: torch.Tensor | None, bias: torch.Tensor | None, fmt: int,
+                           panel_from: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], codes.shape[0] * 16))
 
     @torch.library.register_fake("kiln_cpu::greedy_argmax")
     def _greedy_argmax_fake(logits: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ from kiln.ops import cpu_kernels
 from kiln.ops.linear import pack_linears
 from kiln.ops.linear_plan import load_plans
 from kiln.platform import current_platform
+from kiln.quantization import QuantizationConfig
+from kiln.quantization.apply import apply_quantization
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import graph_factory, resolve_dispatcher, wrap_full, wrap_pieces
 from kiln.runner.kv_cache import allocate_kv_cache, num_blocks_for
@@ -65,12 +67,15 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  limits: RunnerLimits, *, kv_cache_memory: int | None = None,
                  num_kv_blocks: int | None = None, attention_backend: str | None = None,
-                 compilation: CompilationConfig | None = None, progress: bool = True) -> None:
+                 compilation: CompilationConfig | None = None, progress: bool = True,
+                 quantization: QuantizationConfig | None = None) -> None:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
         if device.type == "cpu":
             # Before tracing: whether the graph calls kiln's kernels is decided at trace time.
             cpu_kernels.ensure_loaded(default_cache_root(), progress)
         self.model = build_model(model_config, dtype, device, progress)
+        self.quantization = quantization or QuantizationConfig()
+        logger.info("quantization %s", apply_quantization(self.model, self.quantization))
         if dtype == torch.bfloat16 and device.type == "cpu":
             plans = load_plans(dtype, device)
             logger.info("packed %d bf16 linear weights for kiln's CPU kernels (%s)",
@@ -103,7 +108,8 @@ class ModelRunner:
         if compilation is not None and compilation.mode == CompilationMode.PIECEWISE:
             self.forward, self.compile_backend = compile_model(
                 self.model, compilation, dtype, device, limits.max_num_batched_tokens,
-                progress, attention_backend=backend_cls.name)
+                progress, attention_backend=backend_cls.name,
+                quantization=self.quantization.cache_key())
             self._compile_now()
         self.graph_capture_s = 0.0
         if self.dispatcher.mode:

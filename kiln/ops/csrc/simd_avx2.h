@@ -110,6 +110,27 @@ inline V16 reduce16(V16* v) {
   return {reduce8(s), reduce8(s + 8)};
 }
 
+// Quantized weights (linear_quant.cpp): 16 int8 / 16 packed nibbles / 16 fp16 -> fp32.
+inline __m256 i8_8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline V16 load_i8(const int8_t* p) { return {i8_8(p), i8_8(p + 8)}; }
+// Byte c holds column c's code for k (low nibble) and k + 16 (high nibble).
+inline void load_u4(const uint8_t* p, V16& lo, V16& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i v0 = _mm256_cvtepu8_epi32(b), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  const __m256i m = _mm256_set1_epi32(15);
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(v0, m)), _mm256_cvtepi32_ps(_mm256_and_si256(v1, m))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4))};
+}
+inline V16 load_f16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+// The quantized linear's register tiles (16 ymm): 2 rows x 1 block of group and total
+// accumulators (8 registers) for the direct kernel; 6 rows for the panel kernel.
+constexpr int kQuantRows = 2, kQuantBlocks = 1, kQuantPanelRows = 6;
+
 // 4 rows x 1 column block: 8 accumulator registers, 4 for the widened weight row and 2
 // for the broadcast pair fit the 16 ymm registers (4 x 4 blocks would spill). Two blocks
 // for a single row measured no faster: a one-row product streams weights from memory.

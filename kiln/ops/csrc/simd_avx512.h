@@ -83,6 +83,23 @@ inline V16 reduce16(V16* v) {
   return v[0];
 }
 
+// Quantized weights (linear_quant.cpp): 16 int8 / 16 packed nibbles / 16 fp16 -> fp32.
+inline V16 load_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// Byte c holds column c's code for k (low nibble) and k + 16 (high nibble).
+inline void load_u4(const uint8_t* p, V16& lo, V16& hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+inline V16 load_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// The quantized linear's register tiles: rows x 16-column blocks for the direct kernel
+// (group and total accumulators: 2 x 8 of the 32 registers), rows for the panel kernel.
+constexpr int kQuantRows = 4, kQuantBlocks = 2, kQuantPanelRows = 8;
+
 // 4 rows x 4 column blocks: 16 accumulators of the 32 zmm registers.
 constexpr int kGemmRows = 4, kGemmBlocks = 4;
 

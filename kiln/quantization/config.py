@@ -1,0 +1,100 @@
+"""QuantizationConfig: which quantization a model runs with, resolved once at start-up.
+
+Three sources can speak: the user (`--quantization` / `LLM(quantization=...)`), the
+checkpoint's `quantization_config` in config.json, and the tensor types of a GGUF file.
+They must agree; a conflict is a `ValueError` that names both. The user's `"none"` on a
+GGUF file dequantizes it at load (the converted float checkpoint, as before).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("int8", "gguf")
+CHOICES = ("none", *METHODS)
+# GGUF tensor types kept in their block format and dequantized inside kiln's kernel.
+GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1")
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizationConfig:
+    """`method` None runs the weights in the activation dtype. `source` says who asked
+    (for messages); `gguf_path` is the file whose blocks the gguf method loads;
+    `gguf_types` counts the file's tensor types (for the start-up line)."""
+
+    method: str | None = None
+    source: str = "default"
+    gguf_path: Path | None = None
+    gguf_types: dict[str, int] = field(default_factory=dict)
+
+    def cache_key(self) -> dict[str, object]:
+        """What changes compiled code: the method (the per-layer formats are in the
+        linear-plan signature)."""
+        return {"method": self.method}
+
+    def describe(self) -> str:
+        if self.method is None:
+            return "none (weights in the activation dtype)"
+        if self.method == "int8":
+            return "int8 (weight-only, symmetric per output channel, made at load)"
+        types = ", ".join(f"{t} x{n}" for t, n in sorted(self.gguf_types.items()))
+        return f"gguf (block formats kept; file tensors: {types})"
+
+
+def gguf_tensor_types(path: Path) -> dict[str, int]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return dict(Counter(t.tensor_type.name for t in reader.tensors))
+
+
+def _checkpoint_method(model_dir: Path) -> str | None:
+    """The quantization a HF checkpoint declares (None: a float checkpoint). kiln loads
+    no pre-quantized HF format yet: one is a start-up error, never a silent float run."""
+    config = model_dir / "config.json"
+    if not config.is_file():
+        return None
+    qc = json.loads(config.read_text()).get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    raise ValueError(f"{config}: quantization_config quant_method={method!r} is not "
+                     "supported; kiln quantizes float checkpoints at load "
+                     "(--quantization int8) and runs GGUF files natively")
+
+
+def resolve_quantization(requested: str | None, model_dir: Path,
+                         gguf_path: Path | None) -> QuantizationConfig:
+    """One config from the three sources (see the module docstring)."""
+    if requested is not None and requested not in CHOICES:
+        raise ValueError(f"quantization={requested!r} is not supported; use one of "
+                         f"{', '.join(CHOICES)} (or leave it unset to follow the checkpoint)")
+    types = gguf_tensor_types(gguf_path) if gguf_path is not None else {}
+    gguf_quantized = any(t not in _FLOAT_TYPES for t in types)
+    checkpoint = "gguf" if gguf_quantized else _checkpoint_method(model_dir)
+    where = (f"the GGUF file {gguf_path.name} (tensor types {', '.join(sorted(types))})"
+             if gguf_quantized else f"{model_dir}/config.json quantization_config")
+    if requested == "none":
+        return QuantizationConfig(None, "--quantization none", gguf_types=types)
+    if requested is None:
+        if checkpoint is None:
+            return QuantizationConfig(None, "checkpoint")
+        return QuantizationConfig(checkpoint, where, gguf_path if gguf_quantized else None,
+                                  types)
+    if checkpoint is not None and checkpoint != requested:
+        fix = (" (to int8-quantize this model, pass the float checkpoint kiln converted "
+               f"from it: --model {model_dir})" if checkpoint == "gguf" else "")
+        raise ValueError(f"quantization={requested!r} conflicts with {where}, which is "
+                         f"already {checkpoint}-quantized{fix}; drop --quantization to run "
+                         f"it as {checkpoint}")
+    if requested == "gguf" and not gguf_quantized:
+        raise ValueError("quantization='gguf' needs a quantized .gguf model file; "
+                         f"{gguf_path or model_dir} is not one")
+    return QuantizationConfig(requested, f"--quantization {requested}",
+                              gguf_path if requested == "gguf" else None, types)

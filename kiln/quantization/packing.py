@@ -1,0 +1,123 @@
+"""Quantized weight layouts: kiln's kernel formats, built once at load, and their exact
+dequantization (the reference every kernel is tested against, and the fallback where no
+kernel runs).
+
+A `QuantWeight` holds one linear's weight [N, K] in one of three formats (the layouts
+are spelled out in kiln/ops/csrc/linear_quant.cpp):
+- INT8: int8 codes, one fp32 scale per output row (weight-only int8, made at load);
+- Q8:   int8 codes, an fp16 scale per row and 32-column group (GGUF Q8_0);
+- Q4:   4-bit codes, fp16 scale and offset per row and group (GGUF Q4_1; Q4_0 is Q4_1
+        with offset -8 * scale, exact in fp16).
+Codes are stored tiled by 16 rows and 32 columns so the kernel streams each tile once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT8, Q8, Q4 = 0, 1, 2
+FORMAT_NAMES = {INT8: "int8", Q8: "q8_0", Q4: "q4"}
+GROUP = 32  # K columns per scale group in Q8 and Q4 (GGUF's block size)
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """One packed weight: `codes` [N/16, K/32, bytes per tile], `scales` (fp32 [N] for
+    INT8, fp16 [N/16, K/32, 16] otherwise), `mins` (Q4 only, like the scales)."""
+
+    fmt: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0] * 16, self.codes.shape[1] * 32
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+def packable_shape(n: int, k: int) -> bool:
+    return n % 16 == 0 and k % GROUP == 0 and n > 0 and k > 0
+
+
+def _tile(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/32, 32, 16]: tile[nb, kc, kk, c] = q[16 nb + c, 32 kc + kk]."""
+    n, k = q.shape
+    return q.view(n // 16, 16, k // 32, 32).permute(0, 2, 3, 1)
+
+
+def _untile(t: torch.Tensor) -> torch.Tensor:
+    nb, kc = t.shape[:2]
+    return t.permute(0, 3, 1, 2).reshape(nb * 16, kc * 32)
+
+
+def _group_tile(s: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, K/32] -> [N/16, K/32, 16]."""
+    n, g = s.shape
+    return s.view(n // 16, 16, g).permute(0, 2, 1).contiguous()
+
+
+def _group_untile(t: torch.Tensor) -> torch.Tensor:
+    nb, g = t.shape[:2]
+    return t.permute(0, 2, 1).reshape(nb * 16, g)
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> QuantWeight:
+    """int8 codes [N, K] and fp32 per-row scales [N]."""
+    n, k = q.shape
+    codes = _tile(q.to(torch.int8)).reshape(n // 16, k // 32, 512).contiguous()
+    return QuantWeight(INT8, codes, scales.to(torch.float32).contiguous())
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> QuantWeight:
+    """int8 codes [N, K] and fp16 group scales [N, K/32]."""
+    n, k = q.shape
+    codes = _tile(q.to(torch.int8)).reshape(n // 16, k // 32, 512).contiguous()
+    return QuantWeight(Q8, codes, _group_tile(d.to(torch.float16)))
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> QuantWeight:
+    """Codes 0..15 [N, K] (uint8), fp16 group scales and offsets [N, K/32]."""
+    n, k = q.shape
+    t = _tile(q.to(torch.uint8))  # [nb, kc, 32, 16]
+    codes = (t[:, :, :16] | (t[:, :, 16:] << 4)).reshape(n // 16, k // 32, 256).contiguous()
+    return QuantWeight(Q4, codes, _group_tile(d.to(torch.float16)),
+                       _group_tile(m.to(torch.float16)))
+
+
+def unpack_codes(w: QuantWeight) -> torch.Tensor:
+    """The integer codes [N, K] (int16, so every format fits)."""
+    nb, kc = w.codes.shape[:2]
+    if w.fmt == Q4:
+        b = w.codes.view(nb, kc, 16, 16)
+        t = torch.cat((b & 15, b >> 4), dim=2)
+        return _untile(t).to(torch.int16)
+    return _untile(w.codes.view(nb, kc, 32, 16)).to(torch.int16)
+
+
+def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [N, K] the kernels compute with: q * s (INT8), q * d (Q8), q * d + m
+    (Q4), in fp32, then cast to `dtype`."""
+    q = unpack_codes(w).to(torch.float32)
+    if w.fmt == INT8:
+        out = q * w.scales[:, None]
+    else:
+        d = _group_untile(w.scales).to(torch.float32).repeat_interleave(GROUP, dim=1)
+        out = q * d
+        if w.fmt == Q4:
+            out = out + _group_untile(w.mins).to(torch.float32).repeat_interleave(GROUP, dim=1)
+    return out.to(dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """Symmetric per-output-row int8: s = max|w| / 127, q = round(w / s) in [-127, 127].
+    An all-zero row gets scale 1 (its codes are 0)."""
+    w = weight.detach().to(torch.float32)
+    scales = w.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return pack_int8(q, scales)

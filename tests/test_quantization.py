@@ -1,0 +1,180 @@
+"""Quantized weights: the kernel formats against their dequantized reference, GGUF blocks
+repacked bit for bit, config resolution and its errors, and end-to-end greedy parity of
+int8 and GGUF models (tiny, float32) eager and compiled."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import random_prompts
+from kiln.compiler import compilation_counter
+from kiln.ops.linear import linear_quant
+from kiln.quantization import resolve_quantization
+from kiln.quantization.gguf_weights import decode
+from kiln.quantization.packing import (INT8, Q4, Q8, dequantize, pack_q4, pack_q8,
+                                       quantize_int8, unpack_codes)
+from test_gguf_convert import _tiny_model, write_tiny_gguf
+
+
+def _random_weights(n: int, k: int, g: torch.Generator):
+    return {
+        INT8: quantize_int8(torch.randn(n, k, generator=g)),
+        Q8: pack_q8(torch.randint(-127, 128, (n, k), generator=g),
+                    torch.rand(n, k // 32, generator=g) * 0.1),
+        Q4: pack_q4(torch.randint(0, 16, (n, k), generator=g),
+                    torch.rand(n, k // 32, generator=g) * 0.1,
+                    torch.randn(n, k // 32, generator=g) * 0.1),
+    }
+
+
+@pytest.mark.usefixtures("cpu_kernels_loaded")
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (80, 64), (832, 576)])
+def test_kernel_matches_dequantize_then_matmul(n, k):
+    """Every format, both kernels (direct, panel), fp32 and bf16 activations, odd row
+    counts and partial tiles, with and without bias."""
+    g = torch.Generator().manual_seed(n + k)
+    for fmt, w in _random_weights(n, k, g).items():
+        ref_w = dequantize(w)
+        for m in (1, 3, 5, 17, 33):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k, generator=g).to(dtype)
+                bias = torch.randn(n, generator=g)
+                for b in (None, bias):
+                    ref = F.linear(x.float(), ref_w, b)
+                    for panel_from in (0, 1):
+                        out = linear_quant(x, w.codes, w.scales, w.mins, b, fmt, panel_from)
+                        assert out.dtype == dtype and out.shape == (m, n)
+                        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                        # fp32: summation order only; bf16: the output's rounding
+                        assert err < (2e-6 if dtype == torch.float32 else 1e-2), \
+                            (fmt, m, dtype, panel_from, err)
+
+
+def test_int8_quantization_error_is_at_most_half_a_step():
+    w = torch.randn(64, 96) * torch.linspace(0.01, 3, 64)[:, None]
+    w[3] = 0  # an all-zero row keeps a usable scale
+    q = quantize_int8(w)
+    assert (dequantize(q) - w).abs().le(q.scales[:, None] / 2 + 1e-7).all()
+    assert unpack_codes(q).abs().max() == 127
+    assert dequantize(q)[3].eq(0).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_repack_bit_for_bit(qtype):
+    """kiln's repacked weight dequantizes to exactly what gguf's reference gives."""
+    rng = np.random.default_rng(0)
+    array = rng.standard_normal((48, 96)).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    blocks = gguf.quants.quantize(array, t)
+    tensor = SimpleNamespace(tensor_type=t, data=blocks)
+    codes, d, m = decode(tensor)
+    q, dt = torch.from_numpy(codes), torch.from_numpy(d)
+    w = pack_q8(q, dt) if m is None else pack_q4(q, dt, torch.from_numpy(m))
+    expected = gguf.quants.dequantize(blocks, t).reshape(48, 96)
+    np.testing.assert_array_equal(dequantize(w).numpy(), expected)
+
+
+def test_resolution_and_conflicts(tmp_path: Path, tiny_models):
+    path, _ = tiny_models["llama"]
+    assert resolve_quantization(None, path, None).method is None
+    assert resolve_quantization("int8", path, None).method == "int8"
+    with pytest.raises(ValueError, match="quantization='gguf' needs a quantized .gguf"):
+        resolve_quantization("gguf", path, None)
+    gguf_file = write_tiny_gguf(_tiny_model(tied=True, rope={"rope_theta": 1e4,
+                                                             "rope_type": "default"}),
+                                tmp_path / "q.gguf", tokenizer=False,
+                                types={"attn_q": "Q4_1"})
+    qc = resolve_quantization(None, path, gguf_file)
+    assert (qc.method, qc.gguf_types["Q4_1"]) == ("gguf", 2)
+    assert resolve_quantization("none", path, gguf_file).method is None
+    with pytest.raises(ValueError, match=r"quantization='int8' conflicts with the GGUF file "
+                                         r"q\.gguf .*already gguf-quantized"):
+        resolve_quantization("int8", path, gguf_file)
+    bad = tmp_path / "awq"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"quantization_config":
+                                                 {"quant_method": "awq"}}))
+    with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
+        resolve_quantization(None, bad, None)
+    with pytest.raises(ValueError, match="quantization='fp4' must be one of"):
+        from kiln.config import EngineConfig
+
+        EngineConfig(quantization="fp4")
+
+
+def _greedy(llm, prompts, n=12):
+    from kiln import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p}
+                                                          for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+def _write_dequantized_int8(src: Path, dst: Path) -> None:
+    """The same checkpoint with every linear weight replaced by dequant(quant_int8(w))."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(src / "model.safetensors"))
+    for name, t in state.items():
+        if t.dim() == 2 and "embed_tokens" not in name:
+            state[name] = dequantize(quantize_int8(t))
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.usefixtures("cpu_kernels_loaded")
+def test_int8_matches_dequantized_int8_weights_eager_and_compiled(tiny_models, tmp_path):
+    from kiln import LLM
+
+    path, _ = tiny_models["qwen2"]  # qkv bias: the kernel adds it
+    ref_dir = tmp_path / "dequantized"
+    _write_dequantized_int8(path, ref_dir)
+    prompts = random_prompts(3, [5, 19, 40], seed=3)
+    kw = dict(dtype="float32", progress=False, max_model_len=128)
+    want = _greedy(LLM(str(ref_dir), optimization_level=0, **kw), prompts)
+    llm = LLM(str(path), optimization_level=0, quantization="int8", **kw)
+    assert llm.engine.quantization.method == "int8"
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.qcodes.dtype == torch.int8 and qkv.weight.numel() == 0
+    assert _greedy(llm, prompts) == want
+    llm = LLM(str(path), optimization_level=2, quantization="int8", **kw)
+    before = compilation_counter.clone()
+    assert _greedy(llm, prompts) == want
+    assert compilation_counter.delta(before)["num_graphs_seen"] == 0  # nothing recompiled
+
+
+@pytest.mark.usefixtures("cpu_kernels_loaded")
+def test_gguf_native_matches_dequantized_file_eager_and_compiled(tmp_path, monkeypatch,
+                                                                 caplog):
+    """A tiny GGUF with Q4_1, Q4_0 and Q8_0 linears (and an lm_head whose 268 rows the
+    kernel cannot tile, stated with a warning) runs natively == dequantized at load."""
+    from kiln import LLM
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    model = _tiny_model(tied=True, rope={"rope_theta": 1e4, "rope_type": "default"})
+    types = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_0",
+             "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_1", "token_embd": "Q8_0"}
+    path = write_tiny_gguf(model, tmp_path / "tiny.gguf", tokenizer=False, types=types)
+    prompts = random_prompts(3, [4, 17, 33], vocab=268, seed=5)
+    kw = dict(dtype="float32", progress=False, max_model_len=128)
+    want = _greedy(LLM(str(path), optimization_level=0, quantization="none", **kw), prompts)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(str(path), optimization_level=0, **kw)
+    assert "shape (268, 64)" in caplog.text  # the lm_head's stated fallback
+    layers = llm.engine.runner.model.model.layers[0]
+    assert (layers.self_attn.qkv_proj.qfmt, layers.self_attn.o_proj.qfmt,
+            layers.mlp.gate_up_proj.qfmt) == (Q4, Q4, Q8)
+    assert _greedy(llm, prompts) == want
+    assert _greedy(LLM(str(path), optimization_level=2, **kw), prompts) == want
