@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 # Total time (children included: a weight copy inside a linear counts as linear) of the
 # outermost call of each of these; a call nested in another one of its group is not counted
 # again.
-TOTAL_OPS = {"linear": ("kiln_cpu::linear_packed", "aten::linear", "aten::matmul", "aten::mm",
+TOTAL_OPS = {"linear": ("kiln_cpu::linear_packed", "kiln_cpu::linear_quant", "aten::linear", "aten::matmul", "aten::mm",
                         "aten::addmm", "mkldnn::_linear_pointwise"),
              "attention": ("kiln::unified_attention", "kiln_cpu::unified_attention"),
              "sampling": ("kiln_cpu::greedy_argmax", "aten::argmax", "aten::topk",
@@ -64,11 +64,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("-O", dest="level", type=int, default=2)
+    ap.add_argument("-q", "--quantization", default=None, help="int8 | gguf | none")
     args = ap.parse_args()
 
     from kiln import LLM, SamplingParams
 
-    llm = LLM(None, dtype=args.dtype, optimization_level=args.level, progress=False)
+    llm = LLM(None, dtype=args.dtype, optimization_level=args.level, progress=False,
+              quantization=args.quantization)
     prompts = [{"prompt_token_ids": [1] + [100 + i + j for j in range(31)]}
                for i in range(args.batch)]
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -50,7 +50,14 @@ VLLM = PeerEnv(
     check="import vllm; print('vllm', vllm.__version__)",
 )
 
-PEER_ENVS = {p.name: p for p in (VLLM,)}
+# llama-cpp-python builds llama.cpp from source (about 4 minutes on two cores).
+LLAMACPP = PeerEnv(
+    name="llamacpp",
+    steps=(("install", "--upgrade", "pip"), ("install", "llama-cpp-python")),
+    check="import llama_cpp; print('llama_cpp', llama_cpp.__version__)",
+)
+
+PEER_ENVS = {p.name: p for p in (VLLM, LLAMACPP)}
 
 
 def venv_python(venv: Path) -> Path:

@@ -47,18 +47,39 @@ class EngineRun:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+def kiln_runs(args: argparse.Namespace) -> list[EngineRun]:
+    """One kiln row per `--kiln-run LABEL=ARGS` (default: one row, `--kiln-args`). In ARGS
+    `@gguf` stands for the embedded model's GGUF file (run natively, Q4_1)."""
+    from kiln.models.model_source import default_gguf_path
+
+    specs = args.kiln_run or [f"{args.kiln_dtype}={args.kiln_args}"]
+    runs = []
+    for item in specs:
+        label, _, extra = item.partition("=")
+        argv = [str(default_gguf_path()) if a == "@gguf" else a for a in shlex.split(extra)]
+        runs.append(EngineRun("kiln", label, "worker_kiln.py",
+                              options={"argv": argv, "dtype": args.kiln_dtype}))
+    return runs
+
+
 def plan(args: argparse.Namespace) -> list[EngineRun]:
-    runs = [EngineRun("kiln", args.kiln_dtype, "worker_kiln.py",
-                      options={"argv": shlex.split(args.kiln_args)})]
+    from kiln.models.model_source import default_gguf_path
+
+    runs = kiln_runs(args)
     for peer in args.peers:
         if peer == "vllm":
             runs.append(EngineRun("vllm", args.dtype, "worker_vllm.py", peer_env="vllm",
                                   options={"engine_kwargs": json.loads(args.vllm_kwargs)}))
+        elif peer == "llamacpp":
+            runs.append(EngineRun("llama.cpp", "q4_1", "worker_llamacpp.py",
+                                  peer_env="llamacpp",
+                                  options={"gguf": str(default_gguf_path())}))
         elif peer == "transformers":
             runs += [EngineRun("transformers", d, "worker_transformers.py",
                                needs="transformers") for d in args.hf_dtypes]
         else:
-            raise SystemExit(f"unknown peer {peer!r}: choose from vllm, transformers")
+            raise SystemExit(f"unknown peer {peer!r}: choose from vllm, llamacpp, "
+                             "transformers")
     return runs
 
 
@@ -83,7 +104,8 @@ def run_process(python: str, run: EngineRun, spec: dict[str, Any], log: Path,
                 timeout: float, clean_env: bool, threads: int | None) -> dict[str, Any]:
     """Run one worker process to completion; its parsed result (or an error dict)."""
     spec_path = log.with_suffix(".spec.json")
-    spec_path.write_text(json.dumps({**spec, "dtype": run.dtype, "options": run.options}))
+    dtype = run.options.get("dtype", run.dtype)  # a kiln row's label is not its dtype
+    spec_path.write_text(json.dumps({**spec, "dtype": dtype, "options": run.options}))
     env = dict(os.environ)
     if clean_env:  # a peer venv must not see kiln's tree on PYTHONPATH
         env.pop("PYTHONPATH", None)
@@ -162,12 +184,15 @@ def measure_engine(run: EngineRun, spec: dict[str, Any], args: argparse.Namespac
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", type=lambda s: [p for p in s.split(",") if p],
-                    default=["vllm", "transformers"], help="comma list: vllm,transformers")
+                    default=["vllm", "transformers"], help="comma list: vllm,llamacpp,transformers")
     ap.add_argument("--dtype", default="bfloat16", help="vLLM's dtype (default bfloat16)")
     ap.add_argument("--hf-dtypes", type=lambda s: s.split(","),
                     default=["float32", "bfloat16"], help="transformers rows")
     ap.add_argument("--kiln-dtype", default="auto")
     ap.add_argument("--kiln-args", default="", help="extra kiln engine flags, e.g. '-O1'")
+    ap.add_argument("--kiln-run", action="append", default=None, metavar="LABEL=ARGS",
+                    help="a kiln row (repeatable), e.g. 'q4_1=--model @gguf' (the embedded "
+                         "GGUF file, native) or 'int8=--quantization int8'")
     ap.add_argument("--vllm-kwargs", default="{}", help="JSON: extra vllm.LLM kwargs")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=32)

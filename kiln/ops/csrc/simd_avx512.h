@@ -97,8 +97,9 @@ inline V16 load_f16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 // The quantized linear's register tiles: rows x 16-column blocks for the direct kernel
-// (group and total accumulators: 2 x 8 of the 32 registers), rows for the panel kernel.
-constexpr int kQuantRows = 4, kQuantBlocks = 2, kQuantPanelRows = 8;
+// (two sets of chunk sums and the totals: 3 x 8 of the 32 registers), blocks for one
+// row alone, rows for the fp32 panel kernel.
+constexpr int kQuantRows = 4, kQuantBlocks = 2, kQuantBlocks1 = 4, kQuantPanelRows = 8;
 
 // 4 rows x 4 column blocks: 16 accumulators of the 32 zmm registers.
 constexpr int kGemmRows = 4, kGemmBlocks = 4;
