@@ -65,11 +65,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("-O", dest="level", type=int, default=2)
     ap.add_argument("-q", "--quantization", default=None, help="int8 | gguf | none")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 (GGUF)")
     args = ap.parse_args()
 
     from kiln import LLM, SamplingParams
 
-    llm = LLM(None, dtype=args.dtype, optimization_level=args.level, progress=False,
+    llm = LLM(args.model, dtype=args.dtype, optimization_level=args.level, progress=False,
               quantization=args.quantization)
     prompts = [{"prompt_token_ids": [1] + [100 + i + j for j in range(31)]}
                for i in range(args.batch)]

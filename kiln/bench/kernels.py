@@ -26,13 +26,14 @@ from kiln.bench import plots
 from kiln.bench.cases import (Case, Shapes, rms_norm_cases, rope_cases, sampler_cases,
                               silu_and_mul_cases)
 from kiln.bench.cases_linear import linear_cases
+from kiln.bench.cases_quant import linear_quant_cases
 from kiln.bench.kernel_attention import attention_cases
 from kiln.bench.report import environment, table
 from kiln.bench.stats import percentile
 from kiln.bench.tuning import merge_into, parse_key
 
 OPS: dict[str, Callable[[Shapes, bool], list[Case]]] = {
-    "linear": linear_cases, "attention": attention_cases, "rms_norm": rms_norm_cases,
+    "linear": linear_cases, "linear_quant": linear_quant_cases, "attention": attention_cases, "rms_norm": rms_norm_cases,
     "rope": rope_cases,
     "silu_and_mul": silu_and_mul_cases, "top_k_top_p": sampler_cases}
 

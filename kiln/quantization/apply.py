@@ -4,32 +4,26 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import torch
 from torch import nn
 
 from kiln.quantization.config import QuantizationConfig
 from kiln.quantization.methods import QuantizedLinearMethod, format_name, install
-from kiln.quantization.packing import packable_shape, quantize_int8
+from kiln.quantization.packing import FORMAT_NAMES, packable_shape, quantize_int8
+from kiln.quantization.plan import default_panel_from, load_panel_plans
 
 logger = logging.getLogger(__name__)
-
-
-def default_panel_from() -> int:
-    """Rows from which the quantized kernel's panel path runs, without a tuning table.
-    Measured (`kiln bench kernels --ops linear_quant`, SmolLM2's shapes, 2 threads): on
-    AVX512-BF16 the bf16 panel beats the direct kernel from 8 rows (1.3-2x at 32-128);
-    on the FMA-only classes the fp32 panel never beat it, so it stays off there."""
-    from kiln.ops import cpu_kernels
-
-    return 8 if cpu_kernels.loaded() and cpu_kernels.isa_class() in ("amx", "avx512_bf16") \
-        else 0
 
 
 def _owners(model: nn.Module) -> Counter[int]:
     return Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
 
 
-def apply_quantization(model: nn.Module, qc: QuantizationConfig) -> str:
-    """Quantize `model`'s linears in place as `qc` says; returns the start-up summary."""
+def apply_quantization(model: nn.Module, qc: QuantizationConfig,
+                       dtype: torch.dtype = torch.bfloat16) -> str:
+    """Quantize `model`'s linears in place as `qc` says; each layer's panel row count
+    comes from the tuning table for `dtype` (activations), else the ISA default.
+    Returns the start-up summary."""
     from kiln.models.layers import Linear
 
     if qc.method is None:
@@ -45,11 +39,11 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig) -> str:
 
         weights, notes = gguf_linears(model, qc.gguf_path)
     method = QuantizedLinearMethod(qc.method)
-    panel_from = default_panel_from()
+    plans, default = load_panel_plans(dtype), default_panel_from()
     for name, w in weights.items():
         layer = linears[name]
         install(layer, w, method, release_float=owners[id(layer.weight)] == 1)
-        layer.panel_from = panel_from
+        layer.panel_from = plans.get((FORMAT_NAMES[w.fmt], *w.shape), default)
     for note in notes:
         logger.warning(note)
     kept = [n for n in linears if n not in weights]
@@ -69,4 +63,4 @@ def quantized_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["apply_quantization", "default_panel_from", "quantized_bytes"]
+__all__ = ["apply_quantization", "quantized_bytes"]

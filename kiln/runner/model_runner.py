@@ -75,7 +75,8 @@ class ModelRunner:
             cpu_kernels.ensure_loaded(default_cache_root(), progress)
         self.model = build_model(model_config, dtype, device, progress)
         self.quantization = quantization or QuantizationConfig()
-        logger.info("quantization %s", apply_quantization(self.model, self.quantization))
+        logger.info("quantization %s", apply_quantization(self.model, self.quantization,
+                                                            dtype))
         if dtype == torch.bfloat16 and device.type == "cpu":
             plans = load_plans(dtype, device)
             logger.info("packed %d bf16 linear weights for kiln's CPU kernels (%s)",

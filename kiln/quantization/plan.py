@@ -1,0 +1,64 @@
+"""From which row count each quantized layer runs the kernel's panel path.
+
+`kiln bench kernels --ops linear_quant` times the direct and panel kernels per (format,
+layer shape, row count) into the tuning table; a layer's `panel_from` is the row count
+from which the panel wins at every larger count measured (0: never). Without entries
+for a shape the per-ISA default applies (`default_panel_from`).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+DIRECT, PANEL = "kiln-quant-direct", "kiln-quant-panel"
+
+
+def default_panel_from() -> int:
+    """Measured (SmolLM2's shapes, 2 threads): on AVX512-BF16 the bf16 panel beats the
+    direct kernel from 8 rows (1.3-2x at 32-128 rows); on the FMA-only classes the fp32
+    panel never beat it, so it stays off there."""
+    from kiln.ops import cpu_kernels
+
+    native = cpu_kernels.loaded() and cpu_kernels.isa_class() in ("amx", "avx512_bf16")
+    return 8 if native else 0
+
+
+def panel_from_times(times: Mapping[int, Mapping[str, float]]) -> int:
+    """{rows: {candidate: us}} for one (format, shape) -> panel_from."""
+    start = 0
+    for rows in sorted(times, reverse=True):  # the run of panel wins at the top
+        t = times[rows]
+        if PANEL not in t or DIRECT not in t or t[PANEL] >= t[DIRECT]:
+            break
+        start = rows
+    return start
+
+
+def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
+                     ) -> dict[tuple[str, int, int], int]:
+    """{(format, n, k): panel_from} from a device's "linear_quant" entries for `dtype`."""
+    from kiln.bench.tuning import parse_key
+
+    name = str(dtype).removeprefix("torch.")
+    times: dict[tuple[str, int, int], dict[int, dict[str, float]]] = {}
+    for key, entry in entries.items():
+        dims = parse_key(key)
+        if dims.get("dtype") != name or not isinstance(entry, dict):
+            continue
+        try:
+            shape = (dims["fmt"], int(dims["n"]), int(dims["k"]))
+            rows = int(dims["rows"])
+        except (KeyError, ValueError):
+            continue
+        times.setdefault(shape, {})[rows] = {
+            label.split("[", 1)[0]: us for label, us in entry.get("us", {}).items()}
+    return {shape: panel_from_times(t) for shape, t in times.items()}
+
+
+def load_panel_plans(dtype: torch.dtype) -> dict[tuple[str, int, int], int]:
+    from kiln.bench.report import device_name
+    from kiln.bench.tuning import load_tuning
+
+    ops = load_tuning().get("devices", {}).get(device_name(torch.device("cpu")), {})
+    return plans_from_table(ops.get("linear_quant", {}), dtype)
