@@ -77,7 +77,14 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     ker.add_argument("--no-write", action="store_true", help="do not write the tuning table")
     for p in (lat, tp, comp, ker):
         engine_args(p)
-    for p in (lat, tp, srv, comp, ker):
+    qual = modes.add_parser("quality", help="perplexity and greedy agreement per "
+                                            "quantization method")
+    engine_args(qual)
+    qual.add_argument("--methods", nargs="+", default=["none", "int8", "gguf"],
+                      choices=["none", "int8", "gguf"])
+    qual.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
+    qual.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    for p in (lat, tp, srv, comp, ker, qual):
         _outputs(p)
 
 
@@ -115,6 +122,14 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
 
         result = run_compile(args.levels, engine_argv(args, engine_args,
                                                       skip={"optimization_level", "cache_dir"}))
+    elif mode == "quality":
+        from kiln.bench.quality import format_quality as fmt, plot_quality as plot, run_quality
+
+        def make(model: str | None, quantization: str) -> Any:
+            return make_llm(argparse.Namespace(**{**vars(args), "model": model,
+                                                  "quantization": quantization}))
+
+        result = run_quality(make, args.model, args.methods, args.window, args.max_tokens)
     else:
         from kiln.bench.kernels import format_kernels as fmt, plot_kernels as plot
         from kiln.bench.shapes import run_kernels_for_model
