@@ -157,7 +157,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # "uni" | "mp" | "external_launcher"; None: "mp" when tensor_parallel_size > 1
     distributed_executor_backend: str | None = None
-    # "int8" | "gguf" | "none"; None: what the checkpoint is (a quantized GGUF stays so)
+    # "int8" | "int8-channel" | "gguf" | "none" (kiln.quantization); None: what the
+    # checkpoint is (a quantized GGUF file stays quantized)
     quantization: str | None = None
 
     def __post_init__(self) -> None:

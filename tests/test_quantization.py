@@ -20,7 +20,7 @@ from kiln.ops.linear import linear_quant
 from kiln.quantization import resolve_quantization
 from kiln.quantization.gguf_weights import decode
 from kiln.quantization.packing import (INT8, Q4, Q8, dequantize, pack_q4, pack_q8,
-                                       quantize_int8, unpack_codes)
+                                       quantize_int8, quantize_int8_groups, unpack_codes)
 from test_gguf_convert import _tiny_model, write_tiny_gguf
 
 
@@ -65,6 +65,10 @@ def test_int8_quantization_error_is_at_most_half_a_step():
     assert (dequantize(q) - w).abs().le(q.scales[:, None] / 2 + 1e-7).all()
     assert unpack_codes(q).abs().max() == 127
     assert dequantize(q)[3].eq(0).all()
+    g = quantize_int8_groups(w)  # a scale per 32 columns: at most half of each group's step
+    step = (w.view(64, 3, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
+    assert (dequantize(g) - w).abs().le(step * 0.51 + 1e-7).all()
+    assert (dequantize(g) - w).abs().mean() < (dequantize(q) - w).abs().mean()
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
@@ -119,8 +123,8 @@ def _greedy(llm, prompts, n=12):
                                                          use_tqdm=False)]
 
 
-def _write_dequantized_int8(src: Path, dst: Path) -> None:
-    """The same checkpoint with every linear weight replaced by dequant(quant_int8(w))."""
+def _write_dequantized(src: Path, dst: Path, quantize) -> None:
+    """The same checkpoint with every linear weight replaced by dequant(quantize(w))."""
     from safetensors.torch import load_file, save_file
 
     dst.mkdir()
@@ -130,26 +134,31 @@ def _write_dequantized_int8(src: Path, dst: Path) -> None:
     state = load_file(str(src / "model.safetensors"))
     for name, t in state.items():
         if t.dim() == 2 and "embed_tokens" not in name:
-            state[name] = dequantize(quantize_int8(t))
+            state[name] = dequantize(quantize(t))
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.mark.usefixtures("cpu_kernels_loaded")
-def test_int8_matches_dequantized_int8_weights_eager_and_compiled(tiny_models, tmp_path):
+@pytest.mark.parametrize("method,quantize,fmt,levels", [
+    ("int8", quantize_int8_groups, Q8, (0, 2)), ("int8-channel", quantize_int8, INT8, (0,))])
+def test_int8_matches_dequantized_int8_weights(tiny_models, tmp_path, method, quantize, fmt,
+                                               levels):
     from kiln import LLM
 
     path, _ = tiny_models["qwen2"]  # qkv bias: the kernel adds it
     ref_dir = tmp_path / "dequantized"
-    _write_dequantized_int8(path, ref_dir)
+    _write_dequantized(path, ref_dir, quantize)
     prompts = random_prompts(3, [5, 19, 40], seed=3)
     kw = dict(dtype="float32", progress=False, max_model_len=128)
     want = _greedy(LLM(str(ref_dir), optimization_level=0, **kw), prompts)
-    llm = LLM(str(path), optimization_level=0, quantization="int8", **kw)
-    assert llm.engine.quantization.method == "int8"
+    llm = LLM(str(path), optimization_level=0, quantization=method, **kw)
+    assert llm.engine.quantization.method == method
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.qcodes.dtype == torch.int8 and qkv.weight.numel() == 0
+    assert qkv.qfmt == fmt and qkv.qcodes.dtype == torch.int8 and qkv.weight.numel() == 0
     assert _greedy(llm, prompts) == want
-    llm = LLM(str(path), optimization_level=2, quantization="int8", **kw)
+    if 2 not in levels:
+        return
+    llm = LLM(str(path), optimization_level=2, quantization=method, **kw)
     before = compilation_counter.clone()
     assert _greedy(llm, prompts) == want
     assert compilation_counter.delta(before)["num_graphs_seen"] == 0  # nothing recompiled

@@ -80,8 +80,8 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     qual = modes.add_parser("quality", help="perplexity and greedy agreement per "
                                             "quantization method")
     engine_args(qual)
-    qual.add_argument("--methods", nargs="+", default=["none", "int8", "gguf"],
-                      choices=["none", "int8", "gguf"])
+    methods = ["none", "int8", "int8-channel", "gguf"]
+    qual.add_argument("--methods", nargs="+", default=methods, choices=methods)
     qual.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     qual.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     for p in (lat, tp, srv, comp, ker, qual):

@@ -8,7 +8,7 @@ Two measures for each method (`none` at the engine's dtype is the reference):
 - greedy agreement with the reference over a fixed set of chat prompts: how many
   outputs are identical, and the mean share of each output before its first difference.
 
-Methods: `none` and `int8` run the float checkpoint (a GGUF model's converted one),
+Methods: `none`, `int8` and `int8-channel` run the float checkpoint (a GGUF model's converted one),
 `gguf` the .gguf file itself (skipped when the model has none).
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def method_models(model: str | None) -> dict[str, tuple[str | None, str]]:
     from kiln.models.model_source import gguf_source, resolve_model
 
     float_dir = str(resolve_model(model, progress=False))
-    methods = {"none": (float_dir, "none"), "int8": (float_dir, "int8")}
+    methods = {m: (float_dir, m) for m in ("none", "int8", "int8-channel")}
     gguf = gguf_source(model)
     if gguf is not None:
         methods["gguf"] = (str(gguf), "gguf")
@@ -109,13 +109,13 @@ def format_quality(r: dict[str, Any]) -> str:
     lines = [f"quality: perplexity over {r['text']} (windows of {r['window']} tokens), greedy "
              f"agreement with 'none' over {len(PROMPTS)} chat prompts x {r['max_tokens']} "
              "tokens", "",
-             f"{'method':<8} {'dtype':<10} {'perplexity':>10} {'vs none':>8} "
+             f"{'method':<12} {'dtype':<10} {'perplexity':>10} {'vs none':>8} "
              f"{'identical':>9} {'prefix':>7}"]
     for row in r["rows"]:
         if "error" in row:
-            lines.append(f"{row['method']:<8} {row['error']}")
+            lines.append(f"{row['method']:<12} {row['error']}")
             continue
-        lines.append(f"{row['method']:<8} {row['dtype']:<10} {row['perplexity']:>10.3f} "
+        lines.append(f"{row['method']:<12} {row['dtype']:<10} {row['perplexity']:>10.3f} "
                      f"{100 * row.get('perplexity_vs_none', 0):>+7.2f}% "
                      f"{row['greedy_identical']:>4}/{row['greedy_prompts']:<4} "
                      f"{100 * row['greedy_prefix_share']:>6.1f}%")

@@ -51,10 +51,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap on prefill tokens per request per step (0: off)")
-    p.add_argument("-q", "--quantization", default=None, choices=["int8", "gguf", "none"],
-                   help="weight quantization: int8 (weight-only, made at load from a float "
-                        "checkpoint), gguf (a .gguf file's blocks, native), none "
-                        "(dequantize a .gguf file at load); unset: as the checkpoint is")
+    p.add_argument("-q", "--quantization", default=None,
+                   choices=["int8", "int8-channel", "gguf", "none"],
+                   help="weight quantization: int8 (weight-only, per output channel, a scale "
+                        "per 32 inputs; made at load from a float checkpoint), int8-channel "
+                        "(one scale per output channel), gguf (a .gguf file's blocks, "
+                        "native), none (dequantize a .gguf file at load); unset: as the "
+                        "checkpoint is")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N ranks (processes) with torch.distributed")
     p.add_argument("--distributed-executor-backend", default=None,

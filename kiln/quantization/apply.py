@@ -9,7 +9,8 @@ from torch import nn
 
 from kiln.quantization.config import QuantizationConfig
 from kiln.quantization.methods import QuantizedLinearMethod, format_name, install
-from kiln.quantization.packing import FORMAT_NAMES, packable_shape, quantize_int8
+from kiln.quantization.packing import (FORMAT_NAMES, packable_shape, quantize_int8,
+                                       quantize_int8_groups)
 from kiln.quantization.plan import default_panel_from, load_panel_plans
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,9 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
     owners = _owners(model)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     notes: list[str] = []
-    if qc.method == "int8":
-        weights = {name: quantize_int8(m.weight) for name, m in linears.items()
+    if qc.method in ("int8", "int8-channel"):
+        quantize = quantize_int8_groups if qc.method == "int8" else quantize_int8
+        weights = {name: quantize(m.weight) for name, m in linears.items()
                    if packable_shape(*m.weight.shape)}
     else:
         from kiln.quantization.gguf_weights import gguf_linears

@@ -113,6 +113,19 @@ def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tens
     return out.to(dtype)
 
 
+def quantize_int8_groups(weight: torch.Tensor) -> QuantWeight:
+    """Symmetric int8 per output row in groups of 32 input columns (the Q8 format): each
+    group's fp16 scale d = max|w| / 127 (rounded to fp16 first, so q * d is exactly what
+    the kernels compute), q = round(w / d) in [-127, 127]. An all-zero group gets d = 1."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    g = w.view(n, k // GROUP, GROUP)
+    d = (g.abs().amax(dim=-1) / 127.0).to(torch.float16)
+    d = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round(g / d.float()[..., None]).clamp_(-127, 127).view(n, k)
+    return pack_q8(q, d)
+
+
 def quantize_int8(weight: torch.Tensor) -> QuantWeight:
     """Symmetric per-output-row int8: s = max|w| / 127, q = round(w / s) in [-127, 127].
     An all-zero row gets scale 1 (its codes are 0)."""

@@ -267,15 +267,17 @@ void panel_gemm(const QArgs& a) {
 }
 
 #ifdef __AVX512BF16__
-// The native-bf16 panel (bf16 x, AVX512-BF16 builds): each thread converts the integer
-// codes of kCodeBlocks column blocks, whole K, to bf16 — exact, every code fits bf16's
-// 8-bit significand — in the packed linear's pair layout (csrc/linear_bf16.cpp) once per
-// block of x rows, and runs `vdpbf16ps` tiles over them. The scales stay outside the
-// dot product exactly as in the direct kernel: per chunk for Q8/Q4, at the end for INT8.
-// So this path computes the direct kernel's sums at twice the multiply rate.
-constexpr int kCodeBlocks = 4;  // the widest tile's column blocks
+// The native-bf16 panel (bf16 x, AVX512-BF16 builds): each thread converts kCodeBlocks
+// column blocks, whole K, to bf16 in the packed linear's pair layout (csrc/linear_bf16.cpp)
+// once per block of x rows, and runs 4 x 4 `vdpbf16ps` tiles over them (2x the direct
+// kernel's multiply rate, no per-call weight copy: the panels are per-thread scratch).
+// INT8 codes convert exactly (every code fits bf16's 8-bit significand) and the row
+// scale applies at the end, as in the direct kernel. Q8/Q4 weights are dequantized to
+// bf16, q * d (+ m) rounded once: the weight a bf16 model with these values would hold
+// (bf16 activations only; fp32 activations always take the exact fp32 kernels).
+constexpr int kCodeBlocks = 4;
 
-// 16 fp32 codes of k and 16 of k + 1 -> 32 bf16 interleaved (c0k, c0k+1, c1k, ...).
+// 16 fp32 values of k and 16 of k + 1 -> 32 bf16 interleaved (c0k, c0k+1, c1k, ...).
 inline __m512i pair_bf16(V16 k0, V16 k1) {
   const __m512i seq = (__m512i)_mm512_cvtne2ps_pbh(k1, k0);  // [k0 lanes | k1 lanes]
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
@@ -284,26 +286,31 @@ inline __m512i pair_bf16(V16 k0, V16 k1) {
   return _mm512_permutexvar_epi16(idx, seq);
 }
 
-// Column block nb's codes -> panel[K/32][16 pair rows][32 bf16].
+// Column block nb -> panel[K/32][16 pair rows][32 bf16].
 template <int F>
-void codes_to_bf16(const QArgs& a, int64_t nb, uint16_t* panel) {
+void weights_to_bf16(const QArgs& a, int64_t nb, uint16_t* panel) {
   const int64_t chunks = a.K / 32;
   for (int64_t kc = 0; kc < chunks; ++kc) {
     __m512i* p = reinterpret_cast<__m512i*>(panel + kc * 512);
+    const int64_t off = (nb * chunks + kc) * 16;
     if constexpr (F == kQ4) {
       const uint8_t* c = static_cast<const uint8_t*>(a.codes) + (nb * chunks + kc) * 256;
+      const V16 d = kiln_isa::load_f16(a.scale16 + off), mn = kiln_isa::load_f16(a.min16 + off);
       for (int r = 0; r < 8; ++r) {
         V16 lo0, hi0, lo1, hi1;
         kiln_isa::load_u4(c + 2 * r * 16, lo0, hi0);
         kiln_isa::load_u4(c + (2 * r + 1) * 16, lo1, hi1);
-        _mm512_storeu_si512(p + r, pair_bf16(lo0, lo1));
-        _mm512_storeu_si512(p + r + 8, pair_bf16(hi0, hi1));
+        _mm512_storeu_si512(p + r, pair_bf16(kiln_isa::fmadd(lo0, d, mn),
+                                             kiln_isa::fmadd(lo1, d, mn)));
+        _mm512_storeu_si512(p + r + 8, pair_bf16(kiln_isa::fmadd(hi0, d, mn),
+                                                 kiln_isa::fmadd(hi1, d, mn)));
       }
     } else {
       const int8_t* c = static_cast<const int8_t*>(a.codes) + (nb * chunks + kc) * 512;
+      const V16 d = F == kQ8 ? kiln_isa::load_f16(a.scale16 + off) : kiln_isa::set1(1.f);
       for (int r = 0; r < 16; ++r)
-        _mm512_storeu_si512(p + r, pair_bf16(kiln_isa::load_i8(c + 2 * r * 16),
-                                             kiln_isa::load_i8(c + (2 * r + 1) * 16)));
+        _mm512_storeu_si512(p + r, pair_bf16(kiln_isa::mul(kiln_isa::load_i8(c + 2 * r * 16), d),
+                                             kiln_isa::mul(kiln_isa::load_i8(c + (2 * r + 1) * 16), d)));
     }
   }
 }
@@ -313,39 +320,24 @@ template <int F, int MR, int NR>
 void bf16_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels, int64_t m0,
                int64_t nb) {
   const int64_t chunks = a.K / 32;
-  V16 acc[MR][NR], g[MR][NR];
+  V16 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) acc[m][j] = g[m][j] = kiln_isa::zero();
-  for (int64_t kc = 0; kc < chunks; ++kc) {
+    for (int j = 0; j < NR; ++j) acc[m][j] = kiln_isa::zero();
+  for (int64_t kc = 0; kc < chunks; ++kc)
     for (int r = 0; r < 16; ++r) {
       __m512bh w[NR];
       for (int j = 0; j < NR; ++j)
         w[j] = (__m512bh)_mm512_loadu_si512(panels[j] + kc * 512 + r * 32);
       for (int m = 0; m < MR; ++m) {
         const kiln_isa::Pair xp = kiln_isa::load_pair(x + (m0 + m) * a.K, nullptr, kc * 32 + 2 * r);
-        for (int j = 0; j < NR; ++j) g[m][j] = _mm512_dpbf16_ps(g[m][j], xp, w[j]);
+        for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xp, w[j]);
       }
     }
-    if constexpr (F != kInt8) {
-      for (int j = 0; j < NR; ++j) {
-        const int64_t off = ((nb + j) * chunks + kc) * 16;
-        const V16 d = kiln_isa::load_f16(a.scale16 + off);
-        const V16 mn = F == kQ4 ? kiln_isa::load_f16(a.min16 + off) : kiln_isa::zero();
-        for (int m = 0; m < MR; ++m) {
-          acc[m][j] = kiln_isa::fmadd(g[m][j], d, acc[m][j]);
-          if constexpr (F == kQ4)
-            acc[m][j] = kiln_isa::fmadd(kiln_isa::set1(a.xsum[(m0 + m) * chunks + kc]), mn,
-                                        acc[m][j]);
-          g[m][j] = kiln_isa::zero();
-        }
-      }
-    }
-  }
   for (int j = 0; j < NR; ++j) {
     const int64_t col = (nb + j) * 16;
     for (int m = 0; m < MR; ++m) {
       V16 v = acc[m][j];
-      if constexpr (F == kInt8) v = kiln_isa::mul(g[m][j], kiln_isa::loadu(a.scale32 + col));
+      if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a.scale32 + col));
       store_out(a, m0 + m, col, finish(a, v, col));
     }
   }
@@ -353,11 +345,6 @@ void bf16_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels,
 
 using Bf16TileFn = void (*)(const QArgs&, const uint16_t*, const uint16_t* const*, int64_t,
                             int64_t);
-// Tiles of up to 4 rows x kCodeCols<F> blocks: INT8 needs only the running sums (4 x 4 =
-// 16 registers); Q8/Q4 also keep each chunk's sum, so 4 x 2 (measured: 4 x 3 and 3 x 4
-// spill and run 1.6x slower).
-template <int F>
-constexpr int kCodeCols = F == kInt8 ? 4 : 2;
 template <int F, int NR>
 constexpr Bf16TileFn kBf16Row[4] = {bf16_tile<F, 1, NR>, bf16_tile<F, 2, NR>,
                                     bf16_tile<F, 3, NR>, bf16_tile<F, 4, NR>};
@@ -367,7 +354,7 @@ constexpr const Bf16TileFn* kBf16Tiles[kCodeBlocks] = {kBf16Row<F, 1>, kBf16Row<
 
 template <int F>
 void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
-  constexpr int64_t MR = 4, NB = kCodeCols<F>;
+  constexpr int64_t MR = 4, NB = kCodeBlocks;
   const int64_t fit = std::max<int64_t>(MR, kPanelXBytes / (a.K * 2) / MR * MR);
   const int64_t blocks = (a.M + fit - 1) / fit;
   const int64_t block = ((a.M + blocks - 1) / blocks + MR - 1) / MR * MR;
@@ -379,7 +366,7 @@ void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
       const int64_t me = std::min(a.M, mb + block);
       for (int64_t nb = begin; nb < end; nb += NB) {
         const int64_t nr = std::min<int64_t>(NB, end - nb);
-        for (int j = 0; j < nr; ++j) codes_to_bf16<F>(a, nb + j, buf.get() + j * a.K * 16);
+        for (int j = 0; j < nr; ++j) weights_to_bf16<F>(a, nb + j, buf.get() + j * a.K * 16);
         for (int64_t m = mb; m < me; m += MR)
           kBf16Tiles<F>[nr - 1][std::min<int64_t>(MR, me - m) - 1](a, x, panels, m, nb);
       }
