@@ -187,3 +187,21 @@ def test_gguf_native_matches_dequantized_file_eager_and_compiled(tmp_path, monke
             layers.mlp.gate_up_proj.qfmt) == (Q4, Q4, Q8)
     assert _greedy(llm, prompts) == want
     assert _greedy(LLM(str(path), optimization_level=2, **kw), prompts) == want
+
+
+def test_triton_dequant_gemm_matches_reference_in_the_interpreter():
+    """The CUDA kernel, run by Triton's interpreter on CPU tensors."""
+    from kiln.attention.kernels import interpreter_reason
+
+    reason = interpreter_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from kiln.ops.triton_quant import linear_quant_cuda
+
+    g = torch.Generator().manual_seed(7)
+    for fmt, w in _random_weights(48, 96, g).items():
+        x = torch.randn(5, 96, generator=g)
+        bias = torch.randn(48, generator=g)
+        out = linear_quant_cuda(x, w.codes, w.scales, w.mins, bias, fmt)
+        ref = F.linear(x, dequantize(w), bias)
+        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), (fmt, (out - ref).abs().max())

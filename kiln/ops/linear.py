@@ -48,12 +48,16 @@ def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, bias: torch.Tensor | None, fmt: int,
                  panel_from: int = 0) -> torch.Tensor:
     """x @ dequant(w).T + bias over a quantized weight (kiln.quantization.packing):
-    kiln's CPU kernel where it is loaded; elsewhere the exact reference (the weight
-    dequantized per call: slower, same numbers)."""
+    kiln's CPU kernel where it is loaded, the Triton dequant-GEMM on CUDA; elsewhere the
+    exact reference (the weight dequantized per call: slower, same numbers)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if cpu_kernels.loaded() and x.device.type == "cpu":
         out = torch.ops.kiln_cpu.linear_quant(x2, codes, scales, mins, bias, fmt, panel_from)
+    elif x.device.type == "cuda":
+        from kiln.ops.triton_quant import linear_quant_cuda
+
+        out = linear_quant_cuda(x2, codes, scales, mins, bias, fmt)
     else:
         from kiln.quantization.packing import QuantWeight, dequantize
 
