@@ -106,7 +106,7 @@ def test_resolution_and_conflicts(tmp_path: Path, tiny_models):
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"quantization_config":
                                                  {"quant_method": "awq"}}))
-    with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
+    with pytest.raises(ValueError, match="quant_method='awq' .* is not supported"):
         resolve_quantization(None, bad, None)
     with pytest.raises(ValueError, match="quantization='fp4' must be one of"):
         from kiln.config import EngineConfig
@@ -205,3 +205,54 @@ def test_triton_dequant_gemm_matches_reference_in_the_interpreter():
         out = linear_quant_cuda(x, w.codes, w.scales, w.mins, bias, fmt)
         ref = F.linear(x, dequantize(w), bias)
         assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), (fmt, (out - ref).abs().max())
+
+
+W8A16 = {"quant_method": "compressed-tensors", "format": "int-quantized",
+         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                       "weights": {"num_bits": 8, "type": "int",
+                                                   "symmetric": True, "strategy": "channel"}}},
+         "ignore": ["lm_head"]}
+
+
+@pytest.mark.usefixtures("cpu_kernels_loaded")
+def test_prequantized_w8a16_checkpoint_loads_as_int8(tiny_models, tmp_path):
+    """A compressed-tensors W8A16 checkpoint (int8 weights + per-channel weight_scale,
+    lm_head left float) runs as int8-channel == its dequantized float twin, and
+    `--quantization none` dequantizes it at load."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln import LLM
+
+    src, _ = tiny_models["llama"]
+    pre, twin = tmp_path / "w8a16", tmp_path / "twin"
+    for d in (pre, twin):
+        d.mkdir()
+        for f in src.iterdir():
+            if f.suffix != ".safetensors":
+                (d / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(src / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, t in state.items():
+        if t.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name:
+            q = quantize_int8(t)
+            codes = unpack_codes(q).to(torch.int8)
+            quantized[name], quantized[name + "_scale"] = codes, q.scales[:, None]
+            dequantized[name] = dequantize(q)
+        else:
+            quantized[name] = dequantized[name] = t
+    save_file(quantized, str(pre / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((pre / "config.json").read_text())
+    (pre / "config.json").write_text(json.dumps({**config, "quantization_config": W8A16}))
+    prompts = random_prompts(2, [6, 21], seed=11)
+    kw = dict(dtype="float32", progress=False, max_model_len=128, optimization_level=0)
+    want = _greedy(LLM(str(twin), **kw), prompts)
+    llm = LLM(str(pre), **kw)
+    assert llm.engine.quantization.method == "int8-channel"
+    model = llm.engine.runner.model
+    assert model.model.layers[1].mlp.down_proj.qfmt == INT8
+    assert not model.lm_head.quant_method.quantized  # the checkpoint's ignore list holds
+    assert _greedy(llm, prompts) == want
+    assert _greedy(LLM(str(pre), quantization="none", **kw), prompts) == want
+    with pytest.raises(ValueError, match="quantization='int8' conflicts with .*config.json"):
+        LLM(str(pre), quantization="int8", **kw)

@@ -19,6 +19,8 @@ from kiln.models.model_config import ModelConfig
 from kiln.models.registry import model_class
 
 logger = logging.getLogger(__name__)
+# Per-layer tensors of pre-quantized checkpoints (compressed-tensors W8A16).
+QUANT_METADATA = (".weight_scale", ".weight_zero_point")
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -50,6 +52,8 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
                 if target is None:
                     continue
                 pname, shard = target
+                if pname.endswith(QUANT_METADATA):
+                    continue  # read by kiln.quantization (prequantized.py)
                 if pname not in params:
                     logger.warning("checkpoint tensor %s has no parameter in %s; skipped",
                                    name, type(model).__name__)

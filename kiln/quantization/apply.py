@@ -27,12 +27,18 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
     Returns the start-up summary."""
     from kiln.models.layers import Linear
 
-    if qc.method is None:
+    if qc.method is None and not qc.prequantized:
         return qc.describe()
     owners = _owners(model)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     notes: list[str] = []
-    if qc.method in ("int8", "int8-channel"):
+    if qc.prequantized:
+        from kiln.quantization.prequantized import apply_prequantized
+
+        weights = apply_prequantized(model, model.config.path, qc.method is not None)
+        if qc.method is None:
+            return f"{qc.describe()} (the int8 checkpoint dequantized at load)"
+    elif qc.method in ("int8", "int8-channel"):
         quantize = quantize_int8_groups if qc.method == "int8" else quantize_int8
         weights = {name: quantize(m.weight) for name, m in linears.items()
                    if packable_shape(*m.weight.shape)}

@@ -35,6 +35,9 @@ class QuantizationConfig:
     source: str = "default"
     gguf_path: Path | None = None
     gguf_types: dict[str, int] = field(default_factory=dict)
+    # The checkpoint holds int8 codes and scales (compressed-tensors W8A16): the weights
+    # load as their codes and `kiln.quantization.prequantized` applies the scales.
+    prequantized: bool = False
 
     def cache_key(self) -> dict[str, object]:
         """What changes compiled code: the method (the per-layer formats are in the
@@ -61,8 +64,10 @@ def gguf_tensor_types(path: Path) -> dict[str, int]:
 
 
 def _checkpoint_method(model_dir: Path) -> str | None:
-    """The quantization a HF checkpoint declares (None: a float checkpoint). kiln loads
-    no pre-quantized HF format yet: one is a start-up error, never a silent float run."""
+    """The quantization a HF checkpoint declares (None: a float checkpoint). The one
+    pre-quantized format kiln loads is compressed-tensors W8A16 (llm-compressor's): int8
+    weights, symmetric, one scale per output channel, activations unquantized; any other
+    is a start-up error, never a silent float run."""
     config = model_dir / "config.json"
     if not config.is_file():
         return None
@@ -70,9 +75,21 @@ def _checkpoint_method(model_dir: Path) -> str | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
-    raise ValueError(f"{config}: quantization_config quant_method={method!r} is not "
-                     "supported; kiln quantizes float checkpoints at load "
-                     "(--quantization int8) and runs GGUF files natively")
+    if method == "compressed-tensors" and _is_w8a16_channel(qc):
+        return "int8-channel"
+    raise ValueError(f"{config}: quantization_config quant_method={method!r} (format "
+                     f"{qc.get('format')!r}) is not supported; kiln loads compressed-tensors "
+                     "W8A16 (int-quantized, 8-bit symmetric per-channel weights), quantizes "
+                     "float checkpoints at load (--quantization int8) and runs GGUF files")
+
+
+def _is_w8a16_channel(qc: dict) -> bool:
+    groups = list((qc.get("config_groups") or {}).values())
+    if qc.get("format") not in ("int-quantized", "naive-quantized") or len(groups) != 1:
+        return False
+    w = groups[0].get("weights") or {}
+    return (w.get("num_bits") == 8 and w.get("type") == "int" and bool(w.get("symmetric"))
+            and w.get("strategy") == "channel" and not groups[0].get("input_activations"))
 
 
 def resolve_quantization(requested: str | None, model_dir: Path,
@@ -86,14 +103,16 @@ def resolve_quantization(requested: str | None, model_dir: Path,
     checkpoint = "gguf" if gguf_quantized else _checkpoint_method(model_dir)
     where = (f"the GGUF file {gguf_path.name} (tensor types {', '.join(sorted(types))})"
              if gguf_quantized else f"{model_dir}/config.json quantization_config")
+    pre = checkpoint == "int8-channel"
     if requested == "none":
-        return QuantizationConfig(None, "--quantization none", gguf_types=types)
+        return QuantizationConfig(None, "--quantization none", gguf_types=types,
+                                  prequantized=pre)
     if requested is None:
         if checkpoint is None:
             return QuantizationConfig(None, "checkpoint")
         return QuantizationConfig(checkpoint, where, gguf_path if gguf_quantized else None,
-                                  types)
-    if checkpoint is not None and checkpoint != requested:  # only GGUF files get here
+                                  types, prequantized=pre)
+    if checkpoint is not None and checkpoint != requested:
         fix = (" (to int8-quantize this model, pass the float checkpoint kiln converted "
                f"from it: --model {model_dir})" if checkpoint == "gguf" else "")
         raise ValueError(f"quantization={requested!r} conflicts with {where}, which is "
@@ -103,4 +122,5 @@ def resolve_quantization(requested: str | None, model_dir: Path,
         raise ValueError("quantization='gguf' needs a quantized .gguf model file; "
                          f"{gguf_path or model_dir} is not one")
     return QuantizationConfig(requested, f"--quantization {requested}",
-                              gguf_path if requested == "gguf" else None, types)
+                              gguf_path if requested == "gguf" else None, types,
+                              prequantized=pre)
