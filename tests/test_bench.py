@@ -91,7 +91,11 @@ def test_kernels_pick_fastest_and_write_tuning_table(tiny, tmp_path, monkeypatch
     r = bench(tmp_path, "kernels", "--model", tiny, "--batch-sizes", "1", "2",
               "--prefill-lens", "8", "--context-len", "20", "--no-compiled", "--iters", "2",
               "--warmup", "1", "--tuning-file", str(table))
+    from kiln.ops import cpu_kernels
+
     ops = {"linear", "attention", "rms_norm", "rope", "silu_and_mul", "top_k_top_p"}
+    if cpu_kernels.loaded():  # the quantized kernel's direct vs panel paths
+        ops.add("linear_quant")
     assert set(r["best"]) == ops and r["tuning_file"] == str(table)
     broken = [x for x in r["results"] if x["candidate"] == "broken"]
     assert broken and all(not x["ok"] and "wrong result" in x["error"] for x in broken)
@@ -273,3 +277,18 @@ def test_serve_against_kiln_serve(tiny, tmp_path):
     check_summary(r["e2e_ms"], n=4)
     assert r["output_tok_s"] > 0
     check_pngs(tmp_path, "serve.png")
+
+
+@pytest.mark.slow
+def test_quality_reports_perplexity_and_agreement(tmp_path):
+    """`kiln bench quality` on the embedded model, float32, eager: its native GGUF weights
+    are the same values as the dequantized checkpoint, so perplexity and greedy outputs
+    agree; int8 stays within 1% perplexity."""
+    r = bench(tmp_path, "quality", "-O0", "--dtype", "float32", "--methods", "none", "int8",
+              "gguf", "--window", "256", "--max-tokens", "8")
+    rows = {row["method"]: row for row in r["rows"]}
+    assert set(rows) == {"none", "int8", "gguf"}
+    assert rows["none"]["tokens_scored"] > 1000 and 5 < rows["none"]["perplexity"] < 100
+    assert abs(rows["gguf"]["perplexity_vs_none"]) < 1e-3
+    assert rows["gguf"]["greedy_identical"] == rows["gguf"]["greedy_prompts"] == 8
+    assert abs(rows["int8"]["perplexity_vs_none"]) < 0.01

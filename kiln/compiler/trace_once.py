@@ -33,6 +33,14 @@ class TraceOnceModel:
         self._direct = backend.load_saved()
         self._compiled = None
         if self._direct is None:
+            # Each engine traces its model class's `forward` once, but Dynamo counts every
+            # trace of one code object as a recompile: without this the ninth cold engine
+            # in a process (a test suite, a notebook, a server swapping models) would fail.
+            limit = 1024
+            if torch._dynamo.config.recompile_limit < limit:
+                torch._dynamo.config.recompile_limit = limit
+                torch._dynamo.config.accumulated_recompile_limit = max(
+                    limit, torch._dynamo.config.accumulated_recompile_limit)
             self._compiled = torch.compile(forward, fullgraph=True, backend=backend,
                                            options={"guard_filter_fn": _no_guards()})
         self.traced = False
