@@ -19,8 +19,9 @@ from kiln.compiler import compilation_counter
 from kiln.ops.linear import linear_quant
 from kiln.quantization import resolve_quantization
 from kiln.quantization.gguf_weights import decode
-from kiln.quantization.packing import (INT8, Q4, Q8, dequantize, pack_q4, pack_q8,
-                                       quantize_int8, quantize_int8_groups, unpack_codes)
+from kiln.quantization.packing import (FP8, INT8, Q4, Q8, dequantize, pack_q4, pack_q8,
+                                       quantize_fp8, quantize_int8, quantize_int8_groups,
+                                       unpack_codes)
 from test_gguf_convert import _tiny_model, write_tiny_gguf
 
 
@@ -69,6 +70,8 @@ def test_int8_quantization_error_is_at_most_half_a_step():
     step = (w.view(64, 3, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
     assert (dequantize(g) - w).abs().le(step * 0.51 + 1e-7).all()
     assert (dequantize(g) - w).abs().mean() < (dequantize(q) - w).abs().mean()
+    f = quantize_fp8(w)  # e4m3: 3 mantissa bits, so within 2^-4 of each value's magnitude
+    assert (dequantize(f) - w).abs().le(w.abs() / 16 + f.scales[:, None] * 2 ** -9).all()
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
@@ -108,6 +111,10 @@ def test_resolution_and_conflicts(tmp_path: Path, tiny_models):
                                                  {"quant_method": "awq"}}))
     with pytest.raises(ValueError, match="quant_method='awq' .* is not supported"):
         resolve_quantization(None, bad, None)
+    from kiln import LLM
+
+    with pytest.raises(ValueError, match="quantization='fp8' runs on CUDA only"):
+        LLM(str(path), quantization="fp8", optimization_level=0, progress=False)
     with pytest.raises(ValueError, match="quantization='fp4' must be one of"):
         from kiln.config import EngineConfig
 
@@ -190,7 +197,8 @@ def test_gguf_native_matches_dequantized_file_eager_and_compiled(tmp_path, monke
 
 
 def test_triton_dequant_gemm_matches_reference_in_the_interpreter():
-    """The CUDA kernel, run by Triton's interpreter on CPU tensors."""
+    """The CUDA kernel, run by Triton's interpreter on CPU tensors: every format, FP8
+    (float8 e4m3, CUDA only) included."""
     from kiln.attention.kernels import interpreter_reason
 
     reason = interpreter_reason()
@@ -199,7 +207,9 @@ def test_triton_dequant_gemm_matches_reference_in_the_interpreter():
     from kiln.ops.triton_quant import linear_quant_cuda
 
     g = torch.Generator().manual_seed(7)
-    for fmt, w in _random_weights(48, 96, g).items():
+    weights = _random_weights(48, 96, g)
+    weights[FP8] = quantize_fp8(torch.randn(48, 96, generator=g))
+    for fmt, w in weights.items():
         x = torch.randn(5, 96, generator=g)
         bias = torch.randn(48, generator=g)
         out = linear_quant_cuda(x, w.codes, w.scales, w.mins, bias, fmt)

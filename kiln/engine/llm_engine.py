@@ -43,6 +43,9 @@ class LLMEngine:
         check_tensor_parallel(mc, config.tensor_parallel_size)
         self.quantization = qc = resolve_quantization(config.quantization, path,
                                                       gguf_source(config.model))
+        if qc.method == "fp8" and config.device != "cuda":
+            raise ValueError("quantization='fp8' runs on CUDA only (a Triton kernel); on a "
+                             "CPU use --quantization int8")
         if qc.method == "gguf" and config.tensor_parallel_size > 1:
             raise ValueError("quantization='gguf' runs with tensor_parallel_size=1 only (its "
                              "blocks are not sharded yet); pass --quantization none to "

@@ -52,10 +52,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap on prefill tokens per request per step (0: off)")
     p.add_argument("-q", "--quantization", default=None,
-                   choices=["int8", "int8-channel", "gguf", "none"],
+                   choices=["int8", "int8-channel", "fp8", "gguf", "none"],
                    help="weight quantization: int8 (weight-only, per output channel, a scale "
                         "per 32 inputs; made at load from a float checkpoint), int8-channel "
-                        "(one scale per output channel), gguf (a .gguf file's blocks, "
+                        "(one scale per output channel), fp8 (e4m3, CUDA), gguf (a .gguf file's blocks, "
                         "native), none (dequantize a .gguf file at load); unset: as the "
                         "checkpoint is")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",

@@ -52,7 +52,7 @@ def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     exact reference (the weight dequantized per call: slower, same numbers)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if cpu_kernels.loaded() and x.device.type == "cpu":
+    if cpu_kernels.loaded() and x.device.type == "cpu" and fmt != 3:  # 3: FP8, CUDA only
         out = torch.ops.kiln_cpu.linear_quant(x2, codes, scales, mins, bias, fmt, panel_from)
     elif x.device.type == "cuda":
         from kiln.ops.triton_quant import linear_quant_cuda

@@ -3,8 +3,8 @@
 Each program computes a [BM, BN] output tile: per K step it loads x [BM, BK] and the
 codes of a [BN, BK] weight tile straight from the packed layout
 (kiln/quantization/packing.py), dequantizes them in registers (`q * s`, `q * d`,
-`q * d + m`) and accumulates `tl.dot` in fp32; INT8's per-row scale applies after the
-loop. The weight is never materialised. `kiln::linear_quant_cuda` wraps it as a custom op
+`q * d + m`, float8 e4m3 decoded from its bits) and accumulates `tl.dot` in fp32; the
+per-row scale of INT8 and FP8 applies after the loop. The weight is never materialised. `kiln::linear_quant_cuda` wraps it as a custom op
 with a fake, so compiled graphs call it; on a CPU it runs only in Triton's interpreter
 (`TRITON_INTERPRET=1`), which is how the tests check it against the reference.
 """
@@ -39,17 +39,24 @@ def _kernel():
                 off = (tile * 16 + kk[None, :] % 16) * 16 + c[:, None]
                 b = tl.load(codes_ptr + off, mask=live, other=0).to(tl.int32)
                 q = tl.where(kk[None, :] < 16, b & 15, b >> 4).to(tl.float32)
+            elif FMT == 3:  # e4m3 bits decoded exactly: (8 + m) * 2^(e - 10), m * 2^-9
+                off = (tile * 32 + kk[None, :]) * 16 + c[:, None]
+                b = tl.load(codes_ptr + off, mask=live, other=0).to(tl.int32)
+                e, m = (b >> 3) & 15, b & 7
+                mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,
+                               (8 + m).to(tl.float32) * tl.exp2((e - 10).to(tl.float32)))
+                q = tl.where(b >= 128, -mag, mag)
             else:
                 off = (tile * 32 + kk[None, :]) * 16 + c[:, None]
                 q = tl.load(codes_ptr + off, mask=live, other=0).to(tl.float32)
             w = q
-            if FMT != 0:
+            if FMT == 1 or FMT == 2:
                 soff = tile * 16 + c[:, None]
                 w = q * tl.load(scales_ptr + soff, mask=live, other=0.0).to(tl.float32)
                 if FMT == 2:
                     w = w + tl.load(mins_ptr + soff, mask=live, other=0.0).to(tl.float32)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        if FMT == 0:
+        if FMT == 0 or FMT == 3:  # one scale per output row
             acc = acc * tl.load(scales_ptr + rn, mask=rn < N, other=0.0)[None, :]
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]

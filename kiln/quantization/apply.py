@@ -9,8 +9,8 @@ from torch import nn
 
 from kiln.quantization.config import QuantizationConfig
 from kiln.quantization.methods import QuantizedLinearMethod, format_name, install
-from kiln.quantization.packing import (FORMAT_NAMES, packable_shape, quantize_int8,
-                                       quantize_int8_groups)
+from kiln.quantization.packing import (FORMAT_NAMES, packable_shape, quantize_fp8,
+                                       quantize_int8, quantize_int8_groups)
 from kiln.quantization.plan import default_panel_from, load_panel_plans
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,9 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
         weights = apply_prequantized(model, model.config.path, qc.method is not None)
         if qc.method is None:
             return f"{qc.describe()} (the int8 checkpoint dequantized at load)"
-    elif qc.method in ("int8", "int8-channel"):
-        quantize = quantize_int8_groups if qc.method == "int8" else quantize_int8
+    elif qc.method in ("int8", "int8-channel", "fp8"):
+        quantize = {"int8": quantize_int8_groups, "int8-channel": quantize_int8,
+                    "fp8": quantize_fp8}[qc.method]
         weights = {name: quantize(m.weight) for name, m in linears.items()
                    if packable_shape(*m.weight.shape)}
     else:

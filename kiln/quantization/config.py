@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 # int8: weight-only, symmetric, per output channel with one scale per 32 input columns;
 # int8-channel: one scale per output channel (measured +1.8% perplexity on SmolLM2 vs
 # -0.9% for int8's groups: docs/quantization.md).
-METHODS = ("int8", "int8-channel", "gguf")
+# fp8: float8 e4m3 weights, a scale per output channel, on CUDA (Triton kernel).
+METHODS = ("int8", "int8-channel", "fp8", "gguf")
 CHOICES = ("none", *METHODS)
 # GGUF tensor types kept in their block format and dequantized inside kiln's kernel.
 GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1")
@@ -50,6 +51,8 @@ class QuantizationConfig:
         if self.method == "int8":
             return ("int8 (weight-only, symmetric per output channel with a scale per 32 "
                     "input columns, made at load)")
+        if self.method == "fp8":
+            return "fp8 (float8 e4m3 weights, a scale per output channel, made at load)"
         if self.method == "int8-channel":
             return "int8-channel (weight-only, symmetric, one scale per output channel)"
         types = ", ".join(f"{t} x{n}" for t, n in sorted(self.gguf_types.items()))

@@ -7,7 +7,9 @@ are spelled out in kiln/ops/csrc/linear_quant.cpp):
 - INT8: int8 codes, one fp32 scale per output row (weight-only int8, made at load);
 - Q8:   int8 codes, an fp16 scale per row and 32-column group (GGUF Q8_0);
 - Q4:   4-bit codes, fp16 scale and offset per row and group (GGUF Q4_1; Q4_0 is Q4_1
-        with offset -8 * scale, exact in fp16).
+        with offset -8 * scale, exact in fp16);
+- FP8:  float8 e4m3 codes (stored as their bytes), one fp32 scale per output row (CUDA's
+        Triton kernel; on a CPU only the reference runs it).
 Codes are stored tiled by 16 rows and 32 columns so the kernel streams each tile once.
 """
 from __future__ import annotations
@@ -16,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-INT8, Q8, Q4 = 0, 1, 2
-FORMAT_NAMES = {INT8: "int8", Q8: "q8_0", Q4: "q4"}
+INT8, Q8, Q4, FP8 = 0, 1, 2, 3
+FORMAT_NAMES = {INT8: "int8", Q8: "q8_0", Q4: "q4", FP8: "fp8"}
 GROUP = 32  # K columns per scale group in Q8 and Q4 (GGUF's block size)
 
 
@@ -89,6 +91,17 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> QuantWeight:
                        _group_tile(m.to(torch.float16)))
 
 
+def quantize_fp8(weight: torch.Tensor) -> QuantWeight:
+    """float8 e4m3 per output row: s = max|w| / 448 (e4m3's largest finite value), codes
+    = e4m3(w / s), rounded to nearest by torch's cast."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    scales = w.abs().amax(dim=1) / 448.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = (w / scales[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    return QuantWeight(FP8, _tile(codes).reshape(n // 16, k // 32, 512).contiguous(), scales)
+
+
 def unpack_codes(w: QuantWeight) -> torch.Tensor:
     """The integer codes [N, K] (int16, so every format fits)."""
     nb, kc = w.codes.shape[:2]
@@ -102,6 +115,10 @@ def unpack_codes(w: QuantWeight) -> torch.Tensor:
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight [N, K] the kernels compute with: q * s (INT8), q * d (Q8), q * d + m
     (Q4), in fp32, then cast to `dtype`."""
+    if w.fmt == FP8:
+        nb, kc = w.codes.shape[:2]
+        codes = _untile(w.codes.view(nb, kc, 32, 16)).contiguous()
+        return (codes.view(torch.float8_e4m3fn).float() * w.scales[:, None]).to(dtype)
     q = unpack_codes(w).to(torch.float32)
     if w.fmt == INT8:
         out = q * w.scales[:, None]
