@@ -15,9 +15,11 @@ DIRECT, PANEL = "kiln-quant-direct", "kiln-quant-panel"
 
 
 def default_panel_from() -> int:
-    """Measured (SmolLM2's shapes, 2 threads): on AVX512-BF16 the bf16 panel beats the
-    direct kernel from 8 rows (1.3-2x at 32-128 rows); on the FMA-only classes the fp32
-    panel never beat it, so it stays off there."""
+    """Measured on Zen 4 (SmolLM2's shapes, 2 threads): with AVX512-BF16 the bf16 panel
+    beats the direct kernel from 8 rows (1.3-2x at 32-128 rows); the fp32 panel (what
+    the FMA-only classes run) did not beat it at any row count there, so it stays off
+    by default. The AVX2 class has not been timed on a quiet host: run
+    `kiln bench kernels --ops linear_quant` there and the table decides."""
     from kiln.ops import cpu_kernels
 
     native = cpu_kernels.loaded() and cpu_kernels.isa_class() in ("amx", "avx512_bf16")

@@ -1,0 +1,86 @@
+// kiln_cpu::linear_quant — y = x @ dequant(w).T (+ b) over weights kept quantized: what its
+// two translation units share (linear_quant.cpp: the fp32 kernels and the op;
+// linear_quant_bf16.cpp: the native-bf16 kernels of AVX512-BF16 builds).
+//
+// Why it exists: decode-sized linears are memory-bound, so a weight that takes fewer
+// bytes is read faster; the weight is dequantized inside the kernel, in registers, and
+// never materialised per call. Formats (kiln/quantization/packing.py packs them once at
+// load; N % 16 == 0, K % 32 == 0; nb = 16-column block, kc = 32-deep K chunk):
+//   kInt8     int8 codes, one fp32 scale per output column (weight-only int8):
+//               codes int8 [N/16, K/32, 32, 16]: codes[nb, kc, kk, c] = q[16nb + c, 32kc + kk]
+//               scales fp32 [N];                  w = q * s
+//   kQ8       the same codes, one fp16 scale per column and chunk (GGUF Q8_0):
+//               scales fp16 [N/16, K/32, 16];     w = q * d
+//   kQ4       4-bit codes, fp16 scale and offset per column and chunk (GGUF Q4_1, Q4_0):
+//               codes uint8 [N/16, K/32, 16, 16]: byte (j, c) = q[., 32kc + j]
+//                                                  | q[., 32kc + j + 16] << 4
+//               scales, mins fp16 [N/16, K/32, 16]; w = q * d + m
+// x is fp32 or bf16 (widened to fp32 once per call); the output has x's dtype and is
+// rounded once, after the bias. Accumulation is fp32.
+//
+// Two kernels, picked by row count (`panel_from`, from the tuning table):
+//   * direct (few rows): kQuantRows x kQuantBlocks register tiles; per chunk the integer
+//     codes meet x in fp32 FMAs, then the chunk's sum is scaled (and the offset term
+//     m * sum(x over the chunk) added) once, so dequantizing costs one op per 16 codes;
+//   * panel (many rows): each thread dequantizes one 16-column block, whole K, into an
+//     fp32 scratch panel (L2-resident, per thread: no per-layer copy) once per block of x
+//     rows that fits L2 beside it, and runs a kQuantPanelRows x 16 tile over it.
+// With bf16 x on AVX512-BF16 builds, linear_quant_bf16.cpp takes over the panel (codes to
+// bf16, `vdpbf16ps` tiles) and the direct Q4 kernel (bf16 pairs of 128 + q).
+#pragma once
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <cstdint>
+
+#include "simd.h"
+
+namespace kiln_quant {
+
+using kiln_isa::V16;
+
+enum Fmt : int64_t { kInt8 = 0, kQ8 = 1, kQ4 = 2 };
+
+struct QArgs {
+  const float* xf;     // [M, K]
+  const float* xsum;   // [M, K/32], kQ4 only: each chunk's sum of x
+  const void* codes;
+  const float* scale32;     // kInt8
+  const uint16_t* scale16;  // kQ8, kQ4
+  const uint16_t* min16;    // kQ4
+  const float* bias;        // fp32 [N] or null
+  void* y;
+  bool y_bf16;
+  int64_t M, K, N;
+};
+
+inline void store_out(const QArgs& a, int64_t row, int64_t col, V16 v) {
+  if (a.y_bf16)
+    kiln_isa::store_bf16(static_cast<c10::BFloat16*>(a.y) + row * a.N + col, v);
+  else
+    kiln_isa::storeu(static_cast<float*>(a.y) + row * a.N + col, v);
+}
+
+inline V16 finish(const QArgs& a, V16 acc, int64_t col) {
+  return a.bias == nullptr ? acc : kiln_isa::add(acc, kiln_isa::loadu(a.bias + col));
+}
+
+// Each block's codes stream from memory in their own run of chunks; the hardware
+// prefetcher does not follow that many streams, so each loop asks for the line kAhead
+// chunks ahead in every block (measured: 3.8 -> 2.x ms of quantized linears per SmolLM2
+// decode step).
+constexpr int64_t kAhead = 4;
+
+template <int NR, class T>
+inline void prefetch_ahead(const T* const* c, int64_t at, int64_t chunk_bytes) {
+  for (int j = 0; j < NR; ++j)
+    _mm_prefetch(reinterpret_cast<const char*>(c[j]) + at + kAhead * chunk_bytes, _MM_HINT_T0);
+}
+
+constexpr int64_t kPanelXBytes = 256 * 1024;  // the x rows one panel pass reuses
+
+// The native-bf16 kernels for bf16 x (linear_quant_bf16.cpp): the panel at `panel` row
+// counts, the direct Q4 kernel below them. False where this build has none for the case
+// (no AVX512-BF16, or a direct Q8/INT8 call): the caller runs the fp32 kernels.
+bool bf16_gemm(const QArgs& a, const uint16_t* x, int64_t fmt, bool panel);
+
+}  // namespace kiln_quant
