@@ -32,6 +32,7 @@ def cmd_warmup(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace]
     if not llm.engine.executor.is_driver:
         return 0  # under torchrun, rank 0 prints for everyone
     print(f"kiln warmup: {llm.engine.model_config.architecture}, {llm.engine.dtype}, "
+          f"quantization {llm.engine.quantization.method or 'none'}, "
           f"-O{args.optimization_level}, {elapsed:.1f} s start-up")
     for report in reports:
         _print_report(report, len(reports))
