@@ -61,15 +61,3 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
                + (f"; float: {', '.join(kept[:4])}{' ...' if len(kept) > 4 else ''}"
                   if kept else ""))
     return summary
-
-
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of every quantized linear weight (codes, scales, offsets)."""
-    total = 0
-    for buf_name, buf in model.named_buffers():
-        if buf_name.rsplit(".", 1)[-1] in ("qcodes", "qscales", "qmins"):
-            total += buf.numel() * buf.element_size()
-    return total
-
-
-__all__ = ["apply_quantization", "quantized_bytes"]
