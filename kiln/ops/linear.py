@@ -10,6 +10,7 @@ F.linear from some row count on (`dense_from`). Everything else stays on F.linea
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import nn
 
 from kiln.ops import cpu_kernels
 from kiln.ops.linear_plan import DEFAULT, LinearPlan
+from kiln.quantization.packing import FP8, QuantWeight, dequantize
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -52,18 +54,22 @@ def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     exact reference (the weight dequantized per call: slower, same numbers)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if cpu_kernels.loaded() and x.device.type == "cpu" and fmt != 3:  # 3: FP8, CUDA only
+    if cpu_kernels.loaded() and x.device.type == "cpu" and fmt != FP8:  # FP8: CUDA only
         out = torch.ops.kiln_cpu.linear_quant(x2, codes, scales, mins, bias, fmt, panel_from)
     elif x.device.type == "cuda":
         from kiln.ops.triton_quant import linear_quant_cuda
 
         out = linear_quant_cuda(x2, codes, scales, mins, bias, fmt)
     else:
-        from kiln.quantization.packing import QuantWeight, dequantize
-
         w = dequantize(QuantWeight(fmt, codes, scales, mins), x.dtype)
         out = F.linear(x2, w, None if bias is None else bias.to(x.dtype))
     return out.view(*lead, out.shape[-1])
+
+
+def param_owners(model: nn.Module) -> Counter[int]:
+    """How many modules hold each parameter (by id): a weight held once may be freed once
+    its layer no longer reads it; a tied one (lm_head = embedding) may not."""
+    return Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
 
 
 def pack_linears(model: nn.Module,
@@ -73,9 +79,7 @@ def pack_linears(model: nn.Module,
     from kiln.models.layers import Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    owners: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        owners[id(p)] = owners.get(id(p), 0) + 1
+    owners = param_owners(model)
     count = 0
     for m in linears:
         if m.quant_method.quantized:

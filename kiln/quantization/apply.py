@@ -7,6 +7,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from kiln.ops.linear import param_owners
 from kiln.quantization.config import QuantizationConfig
 from kiln.quantization.methods import QuantizedLinearMethod, format_name, install
 from kiln.quantization.packing import (FORMAT_NAMES, packable_shape, quantize_fp8,
@@ -14,10 +15,6 @@ from kiln.quantization.packing import (FORMAT_NAMES, packable_shape, quantize_fp
 from kiln.quantization.plan import default_panel_from, load_panel_plans
 
 logger = logging.getLogger(__name__)
-
-
-def _owners(model: nn.Module) -> Counter[int]:
-    return Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
 
 
 def apply_quantization(model: nn.Module, qc: QuantizationConfig,
@@ -29,7 +26,7 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
 
     if qc.method is None and not qc.prequantized:
         return qc.describe()
-    owners = _owners(model)
+    owners = param_owners(model)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     notes: list[str] = []
     if qc.prequantized:

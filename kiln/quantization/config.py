@@ -7,6 +7,7 @@ GGUF file dequantizes it at load (the converted float checkpoint, as before).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import Counter
@@ -59,11 +60,18 @@ class QuantizationConfig:
         return f"gguf (block formats kept; file tensors: {types})"
 
 
-def gguf_tensor_types(path: Path) -> dict[str, int]:
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: Path) -> object:
+    """The file's `gguf.GGUFReader`, opened once per process: parsing the metadata of the
+    embedded model (its 49k-token vocabulary) takes about 2 s, and start-up needs the
+    reader twice (the tensor types here, the blocks in gguf_weights.py)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    return dict(Counter(t.tensor_type.name for t in reader.tensors))
+    return gguf.GGUFReader(path)
+
+
+def gguf_tensor_types(path: Path) -> dict[str, int]:
+    return dict(Counter(t.tensor_type.name for t in open_gguf(path).tensors))
 
 
 def _checkpoint_method(model_dir: Path) -> str | None:

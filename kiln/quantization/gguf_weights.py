@@ -94,11 +94,10 @@ def _pack(model: nn.Module, parts: list[tuple[object, str]]) -> QuantWeight:
 
 def gguf_linears(model: nn.Module, path: Path) -> tuple[dict[str, QuantWeight], list[str]]:
     """({module name: packed weight} for every linear that runs natively, [warnings])."""
-    import gguf
-
     from kiln.models.layers import Linear
+    from kiln.quantization.config import open_gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     native: dict[str, QuantWeight] = {}
     fallback: Counter[str] = Counter()
     for module, parts in _layer_tensors(model, reader).items():
