@@ -9,14 +9,16 @@
 """
 from __future__ import annotations
 
+import atexit
+import datetime
 import logging
 import os
 from typing import Any
 
 import torch
 
-from kiln.distributed.parallel_state import (get_tp_group, init_distributed,
-                                             initialize_model_parallel)
+from kiln.distributed.parallel_state import (destroy_distributed, get_tp_group,
+                                             init_distributed, initialize_model_parallel)
 from kiln.distributed.worker import RunnerSpec, Worker, cpu_threads_per_rank
 from kiln.scheduler import ModelRunnerOutput, SchedulerOutput
 
@@ -100,6 +102,7 @@ class ExternalLauncherExecutor(InProcessExecutor):
             logger.info("rank %s: %d CPU threads (%d ranks on this host)",
                         os.environ["RANK"], threads, local_ranks)
         init_distributed(world, int(os.environ["RANK"]))
+        _leave_world_at_exit()
         initialize_model_parallel(tp, device, world)
         self.tp_size = tp
         self.is_driver = get_tp_group().rank == 0
@@ -113,8 +116,35 @@ class ExternalLauncherExecutor(InProcessExecutor):
         dist.all_gather_object(out, mine, group=get_tp_group().cpu_group)
         return out
 
-    # shutdown: nothing to stop. The world belongs to the torchrun job: it stays joined,
-    # so a script may build several engines in turn (each carves fresh TP groups).
+    # shutdown: nothing to stop. The world belongs to the torchrun job: it stays joined
+    # until the process exits, so a script may build several engines in turn (each
+    # carves fresh TP groups).
+
+
+_LEAVE_REGISTERED = False
+
+
+def _leave_world_at_exit() -> None:
+    """Once per process: at interpreter exit, wait for every rank, then leave the world.
+    Without it a rank could exit (and rank 0 tear down the store it hosts) while a peer
+    still talks to it; that race aborted rank 0 at exit about once in a dozen runs."""
+    global _LEAVE_REGISTERED
+    if _LEAVE_REGISTERED:
+        return
+    _LEAVE_REGISTERED = True
+
+    def leave() -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        try:  # a dead peer must not hang the exit: monitored_barrier times out and names it
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        except RuntimeError as e:
+            logger.warning("leaving the torchrun world without every rank: %s", e)
+        destroy_distributed()
+
+    atexit.register(leave)
 
 
 def make_executor(backend: str | None, tp: int, spec: RunnerSpec) -> Executor:
