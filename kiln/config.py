@@ -9,8 +9,12 @@ import logging
 import re
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kiln.lora import LoRAConfig
 
 from kiln.graphs.mode import CUDAGraphMode
 
@@ -160,6 +164,11 @@ class EngineConfig:
     # "int8" | "int8-channel" | "gguf" | "none" (kiln.quantization); None: what the
     # checkpoint is (a quantized GGUF file stays quantized)
     quantization: str | None = None
+    # LoRA (kiln.lora): slots on the device, an LRU CPU cache behind them, the largest rank
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None  # None: max_loras
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -199,6 +208,7 @@ class EngineConfig:
                              f"{self.long_prefill_token_threshold!r} must be 0 (off) or a "
                              "positive integer")
         self._validate_parallel()
+        self.lora_config()  # a bad LoRA limit fails here, named
         self.compilation = _compilation(self.compilation)
         self.compilation.validate(self.max_num_batched_tokens)
         self._apply_level()
@@ -229,6 +239,14 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={tp} exceeds what this host allows "
                              f"(at most {2 * cpus}: two ranks per CPU, {cpus} CPUs); lower "
                              "it, or spread ranks over hosts with torchrun")
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRAConfig when LoRA is on, else None."""
+        from kiln.lora import LoRAConfig
+
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_cpu_loras, self.max_lora_rank)
 
     def _apply_level(self) -> None:
         """Fill level-controlled fields that are still None; explicit settings win."""

@@ -37,7 +37,7 @@ def source_hash(model: nn.Module) -> str:
     module, not path, so the same code in another checkout or venv hashes alike."""
     modules = {type(m).__module__ for m in model.modules()} | {
         "kiln.attention.layer", "kiln.ops.linear", "kiln.distributed.ops",
-        "kiln.quantization.methods"}
+        "kiln.quantization.methods", "kiln.lora.ops"}
     h = hashlib.sha256()
     for name in sorted(modules):
         source = inspect.getsourcefile(sys.modules[name])
@@ -50,7 +50,8 @@ def source_hash(model: nn.Module) -> str:
 def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
                   device: torch.device, shapes: list[Range], adaptor_hash: str,
                   attention_backend: str = "torch",
-                  quantization: dict[str, Any] | None = None) -> dict[str, Any]:
+                  quantization: dict[str, Any] | None = None,
+                  lora: dict[str, Any] | None = None) -> dict[str, Any]:
     from kiln import __version__
 
     model_config = {k: v for k, v in dataclasses.asdict(model.config).items() if k != "path"}
@@ -64,6 +65,7 @@ def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
             "linear_plan": plan_signature(model),
             "attention_backend": attention_backend,
             "quantization": quantization or {"method": None},
+            "lora": lora,  # slot shapes (None: no LoRA op in the graph)
             # Each rank compiles its own shard shapes (and collectives): its own entry.
             "tensor_parallel": [get_tp_group().rank, get_tp_group().world_size]}
 
@@ -77,7 +79,8 @@ def device_description(device: torch.device) -> str:
 def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
                   device: torch.device, max_num_batched_tokens: int,
                   progress: bool = True, attention_backend: str = "torch",
-                  quantization: dict[str, Any] | None = None
+                  quantization: dict[str, Any] | None = None,
+                  lora: dict[str, Any] | None = None
                   ) -> tuple[TraceOnceModel, KilnBackend]:
     adaptor = make_adaptor(cc.backend, cc.inductor_options)
     shapes = compile_shapes(cc, max_num_batched_tokens)
@@ -86,7 +89,7 @@ def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
         root = Path(cc.cache_dir).expanduser() if cc.cache_dir else default_cache_root()
         cache = CompileCache(root, cache_factors(model, cc, dtype, device, shapes,
                                                  adaptor.compute_hash(), attention_backend,
-                                                 quantization))
+                                                 quantization, lora))
         logger.info("compile cache %s", cache.dir)
     backend = KilnBackend(model, adaptor, cc.splitting_ops or [], shapes, cache, progress)
     return TraceOnceModel(model.forward, backend), backend

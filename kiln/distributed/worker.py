@@ -16,6 +16,7 @@ import torch
 
 from kiln.compiler import compilation_counter
 from kiln.config import CompilationConfig
+from kiln.lora import LoRAConfig
 from kiln.distributed.parallel_state import get_tp_group
 from kiln.models import ModelConfig
 from kiln.quantization import QuantizationConfig
@@ -39,6 +40,7 @@ class RunnerSpec:
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    lora: LoRAConfig | None = None
 
 
 def cpu_threads_per_rank(local_ranks: int) -> int:
@@ -60,7 +62,7 @@ class Worker:
                                   num_kv_blocks=spec.num_kv_blocks,
                                   attention_backend=spec.attention_backend,
                                   compilation=spec.compilation, progress=spec.progress,
-                                  quantization=spec.quantization)
+                                  quantization=spec.quantization, lora=spec.lora)
         self.step_s = 0.0
         self.steps = 0
 
@@ -76,6 +78,17 @@ class Worker:
         r = self.runner
         return {"kv_spec": r.kv_spec, "num_kv_blocks": r.num_kv_blocks,
                 "attention_backend": r.attn_backend_cls.name}
+
+    def lora_report(self) -> dict[str, Any]:
+        """Adapters in slots and in the CPU cache, and how often they were loaded."""
+        m = self.runner.lora
+        if m is None:
+            return {}
+        return {"slots": dict(m.slot_of), "cpu_cache": list(m.cpu_cache),
+                "loads": m.num_loads, "slot_writes": m.num_slot_writes}
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
 
     def compile_report(self) -> dict[str, Any]:
         """Compile counters since this worker started, and where its cache entry is."""

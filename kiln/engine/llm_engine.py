@@ -14,6 +14,8 @@ from kiln.engine.detokenizer import token_namer
 from kiln.engine.output_processor import OutputProcessor, sample_ids
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.request import Request, RequestStatus
+from kiln.lora import LoRARequest
+from kiln.lora.registry import AdapterRegistry
 from kiln.distributed.executor import Executor, make_executor
 from kiln.distributed.worker import RunnerSpec
 from kiln.engine.setup import (check_kv_capacity, check_tensor_parallel, load_tokenizer,
@@ -54,12 +56,14 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, mc)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(config.seed)
+        self.lora_config = config.lora_config()
+        self.loras = AdapterRegistry(mc, self.lora_config) if self.lora_config else None
         limits = RunnerLimits(config.max_num_seqs, config.max_num_batched_tokens,
                               self.max_model_len, config.block_size)
         spec = RunnerSpec(mc, self.dtype, config.device, limits, config.seed,
                           config.kv_cache_memory, config.num_kv_blocks,
                           config.attention_backend, config.compilation, progress,
-                          quantization=qc)
+                          quantization=qc, lora=self.lora_config)
         self.executor: Executor = make_executor(config.distributed_executor_backend,
                                                 config.tensor_parallel_size, spec)
         # Workers stop with the engine: garbage-collected, or at interpreter exit.
@@ -77,7 +81,8 @@ class LLMEngine:
                                  config.full_sequence_must_fit)
         self.scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, policy=policy)
+                                   max_model_len=self.max_model_len, policy=policy,
+                                   max_loras=config.max_loras if self.lora_config else 0)
         self._last_stats_log = time.monotonic()
         self.output_processor = OutputProcessor(self.tokenizer, token_namer(self.tokenizer))
         self.load_time_s = time.perf_counter() - start
@@ -109,13 +114,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | dict[str, Any],
                     params: SamplingParams | None = None, *, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids)
         self._validate_token_ids(params)
+        self._validate_lora(lora_request)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         taken = [rid for rid in sample_ids(request_id, params.n)
                  if rid in self.scheduler.requests]
@@ -124,7 +131,10 @@ class LLMEngine:
         for rid, child in self.output_processor.add(request_id, text, ids, params):
             self.scheduler.add_request(Request(rid, ids, child, eos, priority=priority,
                                                cache_salt=cache_salt,
+                                               lora_request=lora_request,
                                                block_hasher=self._hasher))
+        if lora_request is not None:
+            self.loras.request_counts[lora_request.lora_name] += 1
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -147,6 +157,26 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab})")
+
+    def _validate_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a kiln.LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if self.loras is None:
+            raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but "
+                             "this engine runs without LoRA: start it with enable_lora=True "
+                             "(--enable-lora)")
+        self.loras.check(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter: workers free its slot and CPU copy. Requests already running
+        with it must be finished first (the caller's duty, as in vLLM)."""
+        if self.loras is None or self.loras.forget(lora_int_id) is None:
+            return False
+        self.executor.collective_rpc("remove_lora", lora_int_id)
+        return True
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort user requests (every sample of an n>1 request); unknown ids are ignored."""

@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
+    from kiln.lora import LoRARequest
     from kiln.sampling.params import SamplingParams
 
 
@@ -38,12 +39,12 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "arrival_time", "output_token_ids", "all_token_ids", "num_computed_tokens",
                  "status", "stop_reason", "num_preemptions", "priority", "cache_salt",
-                 "block_hashes", "_block_hasher")
+                 "block_hashes", "_block_hasher", "lora_request")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
                  arrival_time: float | None = None, *, priority: int = 0,
-                 cache_salt: str | None = None,
+                 cache_salt: str | None = None, lora_request: LoRARequest | None = None,
                  block_hasher: Callable[[Request], None] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -58,10 +59,15 @@ class Request:
         self.num_preemptions = 0
         self.priority = priority  # lower runs first under the priority policy
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # its adapter's KV is its own (prefix-cache key)
         self.block_hashes: list[bytes] = []  # one per full block of known tokens
         self._block_hasher = block_hasher
         if block_hasher is not None:
             block_hasher(self)
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
 
     @property
     def num_tokens(self) -> int:

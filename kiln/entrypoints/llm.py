@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from kiln.config import EngineConfig
 from kiln.engine import CompletionOutput, LLMEngine, RequestOutput
+from kiln.lora import LoRARequest
 from kiln.sampling import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,25 +43,29 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. A prompt that
-        is rejected (too long, empty) gets an output with `error` set and
-        finish_reason 'error'; the others run normally."""
+        is rejected (too long, empty, an unusable adapter) gets an output with `error` set
+        and finish_reason 'error'; the others run normally. `lora_request`: one adapter
+        for every prompt, or one entry (None: the base model) per prompt."""
         order, results = self._add(prompts, sampling_params, priority,
-                                   RequestOutputKind.FINAL_ONLY)
+                                   RequestOutputKind.FINAL_ONLY, lora_request)
         driver = self.engine.executor.is_driver
         self._run(results, use_tqdm and driver, total=len(order))
         # Under torchrun every rank runs the engine; only rank 0 hands outputs back.
         return [results[rid] for rid in order] if driver else []
 
     def generate_stream(self, prompts: Prompt | Sequence[Prompt],
-                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                         ) -> Iterator[RequestOutput]:
         """Yield delta outputs as the engine steps: each carries only the text, tokens and
         logprobs new since that request's previous output (concatenated, they are the
         final result). Rejected prompts are yielded first, with `error` set."""
-        order, results = self._add(prompts, sampling_params, None, RequestOutputKind.DELTA)
+        order, results = self._add(prompts, sampling_params, None, RequestOutputKind.DELTA,
+                                   lora_request)
         driver = self.engine.executor.is_driver
         if driver:
             yield from results.values()
@@ -71,7 +76,8 @@ class LLM:
 
     def _add(self, prompts: Prompt | Sequence[Prompt],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             priority: Sequence[int] | None, kind: RequestOutputKind
+             priority: Sequence[int] | None, kind: RequestOutputKind,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> tuple[list[str], dict[str, RequestOutput]]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -79,14 +85,15 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        loras = _broadcast_lora(lora_request, len(prompts))
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for prompt, p, prio in zip(prompts, params, priorities):
+        for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
             rid = str(next(self._ids))
             order.append(rid)
             try:
                 self.engine.add_request(rid, prompt, dataclasses.replace(p, output_kind=kind),
-                                        priority=prio)
+                                        priority=prio, lora_request=lora)
             except ValueError as exc:
                 logger.warning("request %s rejected: %s", rid, exc)
                 results[rid] = _error_output(rid, prompt, str(exc))
@@ -94,11 +101,13 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: list[Message],
                             add_generation_prompt: bool = True) -> dict[str, Any]:
@@ -134,6 +143,16 @@ def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None,
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts: give one, "
                          "or one per prompt")
     return list(params)
+
+
+def _broadcast_lora(lora: LoRARequest | Sequence[LoRARequest | None] | None,
+                    n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} lora_requests for {n} prompts: give one, or one "
+                         "(or None) per prompt")
+    return list(lora)
 
 
 def _error_output(rid: str, prompt: Prompt, message: str) -> RequestOutput:

@@ -6,12 +6,14 @@ import math
 import torch
 from torch import nn
 
+from kiln.lora.ops import add_lora
 from kiln.quantization.methods import UNQUANTIZED
 
 
 class Linear(nn.Linear):
     """nn.Linear whose GEMM is its `quant_method`'s (kiln.quantization.methods): the float
-    weight, prepacked or not (`kiln.ops.linear.pack_linears`), or a quantized one."""
+    weight, prepacked or not (`kiln.ops.linear.pack_linears`), or a quantized one. With
+    LoRA on, each token then adds its adapter's update (kiln.lora.ops)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -25,9 +27,12 @@ class Linear(nn.Linear):
         self.qfmt = -1
         self.panel_from = 0  # rows from which the quantized kernel's panel path runs
         self.quant_method = UNQUANTIZED
+        # LoRA slots (kiln.lora.layers.install_slots), when the engine enables LoRA.
+        for name in ("lora_a", "lora_b", "lora_scaling", "lora_indices"):
+            self.register_buffer(name, None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return add_lora(self, self.quant_method.apply(self, x, self.bias), x)
 
 
 class RMSNorm(nn.Module):

@@ -1,14 +1,15 @@
 """The linear-layer family a model names: replicated, column-parallel (fused shards) and
 row-parallel, plus the checkpoint view their loaders read.
 
-One design serves tensor parallelism now and quantization and LoRA later:
+One design serves tensor parallelism, quantization and LoRA:
 - the *layout* (which slice of each checkpoint tensor this rank holds) lives in the
   layer's `weight_loader`, which reads only that slice from the file;
 - the *GEMM* is the layer's `quant_method` (kiln.quantization.methods: prepacked bf16 or
   F.linear, or a quantized weight made after loading the local slice);
 - the *collective* after a row-parallel GEMM (all-reduce) and the gather after the
   vocab-parallel lm_head are custom ops (`kiln.distributed.ops`), so the graph stays whole.
-A LoRA adapter hooks in beside the GEMM, on the same local shapes.
+- the *adapter* (kiln.lora) adds each token's LoRA update after the GEMM, on the same
+  local shapes (a row-parallel layer adds it to its partial sum).
 
 With one rank every class here computes exactly what a plain `Linear` does, and the
 traced graph holds no collective.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from kiln.distributed import tp_all_reduce, tp_rank, tp_size
+from kiln.lora.ops import add_lora
 from kiln.models.layers import Linear
 
 
@@ -133,5 +135,6 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
             return super().forward(x)
-        out = tp_all_reduce(self.quant_method.apply(self, x, None))
+        # LoRA on the partial sum is exact: x_r A_r^T summed over ranks is x A^T.
+        out = tp_all_reduce(add_lora(self, self.quant_method.apply(self, x, None), x))
         return out if self.bias is None else out + self.bias

@@ -26,6 +26,8 @@ from kiln.config import CompilationConfig, CompilationMode
 from kiln.distributed import get_tp_group
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.graphs import CUDAGraphMode, capture_phase
+from kiln.lora import LoRAConfig, LoRARequest
+from kiln.lora.manager import LoRAManager
 from kiln.models import ModelConfig, build_model
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import pack_linears
@@ -53,6 +55,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...]
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -68,7 +71,8 @@ class ModelRunner:
                  limits: RunnerLimits, *, kv_cache_memory: int | None = None,
                  num_kv_blocks: int | None = None, attention_backend: str | None = None,
                  compilation: CompilationConfig | None = None, progress: bool = True,
-                 quantization: QuantizationConfig | None = None) -> None:
+                 quantization: QuantizationConfig | None = None,
+                 lora: LoRAConfig | None = None) -> None:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
         if device.type == "cpu":
             # Before tracing: whether the graph calls kiln's kernels is decided at trace time.
@@ -102,6 +106,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._alloc_buffers()
+        # Before tracing: the slots are graph inputs, written in place from then on.
+        self.lora = None if lora is None else LoRAManager(
+            self.model, lora, self.lora_indices.device, dtype)
         # Resolved before compiling: a compile size that padding would skip fails fast.
         self.dispatcher = resolve_dispatcher(compilation, backend_cls, limits.max_num_seqs)
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
@@ -110,7 +117,8 @@ class ModelRunner:
             self.forward, self.compile_backend = compile_model(
                 self.model, compilation, dtype, device, limits.max_num_batched_tokens,
                 progress, attention_backend=backend_cls.name,
-                quantization=self.quantization.cache_key())
+                quantization=self.quantization.cache_key(),
+                lora=lora.cache_key() if lora else None)
             self._compile_now()
         self.graph_capture_s = 0.0
         if self.dispatcher.mode:
@@ -168,6 +176,7 @@ class ModelRunner:
         self.positions.np[:n] = 0
         self.slot_mapping.np[:n] = -1
         self.is_padding.np[:n] = True
+        self.lora_indices.np[:n] = -1
         self.query_start_loc.np[0] = 0
         # Requests 0..R-2 take one token each, the last takes the rest.
         self.query_start_loc.np[1:num_reqs] = np.arange(1, num_reqs)
@@ -191,6 +200,9 @@ class ModelRunner:
         self.seq_lens = CpuGpuBuffer(max_reqs, dtype=torch.int32, device=dev)
         self.block_table = CpuGpuBuffer(max_reqs, max_blocks, dtype=torch.int32, device=dev)
         self.is_padding = CpuGpuBuffer(max_tokens, dtype=torch.bool, device=dev)
+        self.lora_indices = CpuGpuBuffer(max_tokens, dtype=torch.int64, device=dev)
+        self.lora_indices.np[:] = -1  # each token's LoRA slot; -1: the base model
+        self.lora_indices.copy_to_device()
         self._arange = np.arange(max(lim.max_model_len, max_tokens) + 1, dtype=np.int64)
 
     # ---- state ---------------------------------------------------------------------------
@@ -205,7 +217,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), list(new.block_ids),
                 new.num_computed_tokens, params, gen, new.num_prompt_tokens,
-                new.eos_token_ids)
+                new.eos_token_ids, new.lora_request)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -239,6 +251,7 @@ class ModelRunner:
                         ) -> tuple[AttentionMetadata, torch.Tensor, list[str], CUDAGraphMode,
                                    BatchDescriptor]:
         bs, num_reqs = self.limits.block_size, len(req_ids)
+        slots = self._lora_slots(req_ids)
         qsl, seq_lens, table = self.query_start_loc.np, self.seq_lens.np, self.block_table.np
         table[:num_reqs] = 0  # unused entries point at the null block
         qsl[0] = offset = 0
@@ -250,6 +263,7 @@ class ModelRunner:
             self.input_ids.np[offset: offset + n] = state.token_ids[start:end]
             pos = self._arange[start:end]
             self.positions.np[offset: offset + n] = pos
+            self.lora_indices.np[offset: offset + n] = slots[i]
             table[i, : len(state.block_ids)] = state.block_ids
             self.slot_mapping.np[offset: offset + n] = table[i, pos // bs] * bs + pos % bs
             offset += n
@@ -264,6 +278,7 @@ class ModelRunner:
         self.input_ids.np[offset:padded] = 0
         self.positions.np[offset:padded] = 0
         self.slot_mapping.np[offset:padded] = -1
+        self.lora_indices.np[offset:padded] = -1
         self.is_padding.np[:offset] = False
         self.is_padding.np[offset:padded] = True
         if mode is CUDAGraphMode.FULL:
@@ -281,11 +296,20 @@ class ModelRunner:
         return (self.attn_backend_cls.build_metadata(common), indices, sample_ids, mode,
                 desc)
 
+    def _lora_slots(self, req_ids: list[str]) -> list[int]:
+        """Each request's LoRA slot (-1: none), after making its adapter resident."""
+        loras = [self.requests[rid].lora_request for rid in req_ids]
+        if self.lora is None:
+            return [-1] * len(req_ids)
+        slot_of = self.lora.activate(r for r in loras if r is not None)
+        return [-1 if r is None else slot_of[r.lora_int_id] for r in loras]
+
     def _build_metadata(self, num_actual_tokens: int, num_reqs: int, num_padded: int,
                         max_query_len: int) -> AttentionMetadata:
         """Common metadata as slices of the persistent buffers (fixed addresses: a FULL
         graph reads them on replay). `slot_mapping` covers the padded rows."""
-        for buf in (self.input_ids, self.positions, self.slot_mapping, self.is_padding):
+        for buf in (self.input_ids, self.positions, self.slot_mapping, self.is_padding,
+                    self.lora_indices):
             buf.copy_to_device(num_padded)
         seq_lens = self.seq_lens.np
         return AttentionMetadata(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.lora.request import LoRARequest
 from kiln.sampling.logprobs import LogprobsLists
 from kiln.sampling.params import SamplingParams
 
@@ -19,6 +20,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...]  # banned while the output is shorter than min_tokens
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

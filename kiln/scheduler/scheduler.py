@@ -55,12 +55,13 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 policy: SchedulerPolicy | None = None) -> None:
+                 policy: SchedulerPolicy | None = None, max_loras: int = 0) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy or SchedulerPolicy()
+        self.max_loras = max_loras  # distinct adapters per step (the runner's slots)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # in admission order for the policy
         self.running: list[Request] = []
@@ -132,11 +133,8 @@ class Scheduler:
                 request.num_computed_tokens)
             step.take(request.request_id, num_new)
 
-        # Admitting new work in a step that had to preempt would only thrash.
-        while (not step.preempted and self.waiting and step.budget > 0
-               and len(self.running) < self.max_num_seqs):
-            if not self._admit(self.waiting[0], step):
-                break
+        if not step.preempted:  # admitting new work then would only thrash
+            self._admit_waiting(step)
 
         out = SchedulerOutput(step.new, list(step.cached.values()), step.scheduled,
                               sum(step.scheduled.values()), self._finished_ids, step.preempted)
@@ -144,6 +142,22 @@ class Scheduler:
         for rid, n in step.scheduled.items():  # progress is booked when scheduled
             self.requests[rid].num_computed_tokens += n
         return out
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admit in policy order while budget, sequences and blocks last. A request whose
+        adapter would exceed the LoRA slots (every running adapter stays in its slot) is
+        passed over, not a barrier: the requests behind it may run meanwhile."""
+        adapters = {r.lora_int_id for r in self.running} - {0}
+        for request in list(self.waiting):
+            if step.budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            lid = request.lora_int_id
+            if lid and lid not in adapters and len(adapters) >= self.max_loras:
+                continue
+            if not self._admit(request, step):
+                return
+            if lid:
+                adapters.add(lid)
 
     def _chunk(self, num_new: int, step: _Step) -> int:
         threshold = self.policy.long_prefill_token_threshold
@@ -170,7 +184,8 @@ class Scheduler:
         step.new.append(NewRequestData(request.request_id, list(request.all_token_ids),
                                        self.kv.get_block_ids(request.request_id),
                                        num_computed, request.sampling_params,
-                                       request.num_prompt_tokens, request.eos_token_ids))
+                                       request.num_prompt_tokens, request.eos_token_ids,
+                                       request.lora_request))
         step.take(request.request_id, num_new)
         return True
 

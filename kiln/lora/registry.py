@@ -1,0 +1,44 @@
+"""Engine side: check each adapter once, before any request that names it is scheduled.
+
+A bad adapter (missing file, rank over the limit, a module the model lacks, shapes of
+another model) fails its own request with a `ValueError`, and the workers never see it.
+The check runs against the model's structure built on the `meta` device (no memory),
+so it needs no worker and sees the checkpoint's full shapes.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from kiln.lora.adapter import load_adapter
+from kiln.lora.config import LoRAConfig
+from kiln.lora.layers import lora_targets
+from kiln.lora.request import LoRARequest
+from kiln.models import ModelConfig, model_class
+
+
+class AdapterRegistry:
+    def __init__(self, model_config: ModelConfig, cfg: LoRAConfig) -> None:
+        with torch.device("meta"):
+            model = model_class(model_config.architecture)(model_config)
+        self.cfg = cfg
+        self._targets = lora_targets(model)
+        self._checkpoint_name = model.checkpoint_name
+        self.known: dict[int, LoRARequest] = {}
+        self.request_counts: Counter[str] = Counter()  # requests per adapter name
+
+    def check(self, request: LoRARequest) -> None:
+        """Raise ValueError unless `request` names a usable adapter; checked once per id."""
+        known = self.known.get(request.lora_int_id)
+        if known is not None:
+            if known != request:
+                raise ValueError(f"lora_int_id {request.lora_int_id} already names adapter "
+                                 f"{known.lora_name!r} at {known.lora_path}; give "
+                                 f"{request.lora_name!r} its own id")
+            return
+        load_adapter(request, self._targets, self._checkpoint_name, self.cfg.max_lora_rank)
+        self.known[request.lora_int_id] = request
+
+    def forget(self, lora_int_id: int) -> LoRARequest | None:
+        return self.known.pop(lora_int_id, None)
