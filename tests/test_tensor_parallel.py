@@ -60,18 +60,27 @@ def run_cases(cases: list[dict], torchrun: int = 0, timeout: float = 400) -> lis
     return json.loads(line.removeprefix("RESULTS "))
 
 
-def test_mp_tp2_qwen3_matches_transformers_at_o0_and_o2(models):
+def test_mp_tp2_qwen3_matches_transformers_at_o0_and_o2(models, tmp_path):
     """`mp`: this test's subprocess is the engine, two workers hold the shards. Each
     executor runs both models (Llama under mp at -O0: the hung-worker test, with this
     process as the engine); Qwen3 (qk-norm, a replicated KV head) is the -O2 case for
-    both, as one cold tp=2 compile costs about 45 s here."""
-    cases = [{"model": str(models["qwen3"][0]), "level": 0, "tp": 2},
+    both, as one cold tp=2 compile costs about 45 s here. The -O0 case runs a LoRA
+    adapter on all but the first prompt: each rank holds its slices of A and B (the
+    replicated KV head's B whole), and the row-parallel layers add theirs before the
+    all-reduce; it equals transformers + peft."""
+    from lora_utils import ALL, make_adapter
+
+    adapter = make_adapter(models["qwen3"][1], tmp_path / "a", 4, ALL, seed=1)
+    cases = [{"model": str(models["qwen3"][0]), "level": 0, "tp": 2,
+              "lora": str(tmp_path / "a")},
              {"model": str(models["qwen3"][0]), "level": 2, "tp": 2}]
     results = run_cases(cases)
-    for case, result in zip(cases, results):
-        name = Path(case["model"]).name
-        assert result["tokens"] == reference(models[name][1]), case
-        assert len(result["counters"]) == 2  # one report per rank
+    base = reference(models["qwen3"][1])
+    assert results[0]["tokens"] == base[:1] + [hf_greedy(adapter, p, 12)
+                                               for p in PROMPTS[1:]]
+    assert results[0]["tokens"][1:] != base[1:]
+    assert results[1]["tokens"] == base
+    assert all(len(r["counters"]) == 2 for r in results)  # one report per rank
 
 
 def test_warmup_tp2_reports_every_rank(models):

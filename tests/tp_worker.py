@@ -2,7 +2,8 @@
 
 `python tp_worker.py CASES_JSON` (the `mp` executor: this process is the engine) or
 `torchrun --nproc-per-node N tp_worker.py CASES_JSON` (`external_launcher`: every rank
-runs it; rank 0 prints). Each case: {"model", "level", "tp", "backend"}. Every result
+runs it; rank 0 prints). Each case: {"model", "level", "tp", "backend"}, and "lora": a
+PEFT adapter directory for every prompt but the first (LoRA sharded over the ranks). Every result
 carries each rank's compile counters, so a warm start can be checked per rank.
 """
 from __future__ import annotations
@@ -10,18 +11,22 @@ from __future__ import annotations
 import json
 import sys
 
-from kiln import LLM, SamplingParams
+from kiln import LLM, LoRARequest, SamplingParams
 
 PROMPTS = [[1, 5, 9, 33, 7], [1, 300, 2, 77, 11, 12, 13, 14, 15, 16], [1, 42]]
 
 
 def run(case: dict) -> dict:
+    lora = case.get("lora")
     llm = LLM(case["model"], dtype="float32", optimization_level=case["level"],
               progress=False, num_kv_blocks=64, max_model_len=128,
               tensor_parallel_size=case["tp"],
-              distributed_executor_backend=case.get("backend"))
+              distributed_executor_backend=case.get("backend"), enable_lora=bool(lora),
+              max_lora_rank=8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    loras = [None] + [LoRARequest("a", 1, lora)] * (len(PROMPTS) - 1) if lora else None
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
+                        lora_request=loras)
     reports = llm.engine.executor.collective_rpc("compile_report")
     driver = llm.engine.executor.is_driver
     llm.shutdown()

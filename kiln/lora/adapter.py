@@ -52,12 +52,13 @@ def load_adapter(request: LoRARequest, targets: dict[str, Linear],
     config = _read_config(Path(request.lora_path), where)
     tensors = _read_tensors(Path(request.lora_path), where)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    others = []
     for key, tensor in tensors.items():
         m = _KEY.match(key)
         if m is None:
-            raise ValueError(f"{where}: tensor {key!r} is not a LoRA A/B weight (only "
-                             "lora_A/lora_B of linear projections are supported)")
-        pairs.setdefault(m["module"], {})[m["ab"]] = tensor.float()
+            others.append(key)
+        else:
+            pairs.setdefault(m["module"], {})[m["ab"]] = tensor.float()
     modules: AdapterWeights = {}
     rank = 0
     for module, ab in sorted(pairs.items()):
@@ -69,6 +70,9 @@ def load_adapter(request: LoRARequest, targets: dict[str, Linear],
         _check_shapes(where, module, layer, shard, a, b, max_rank)
         rank = max(rank, r)
         modules.setdefault(path, {})[shard] = ModuleUpdate(a, b, _scaling(config, module, r))
+    if others:  # after the modules: a bad target is the clearer message
+        raise ValueError(f"{where}: tensor {others[0]!r} is not a LoRA A/B weight (only "
+                         "lora_A/lora_B of linear projections are supported)")
     if not modules:
         raise ValueError(f"{where}: the adapter holds no LoRA weights")
     return LoRAAdapter(request, rank, modules)
