@@ -22,7 +22,7 @@ def _outputs(p: argparse.ArgumentParser) -> None:
 def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
     bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
-                                         "| serve | compile | kernels")
+                                         "| serve | compile | kernels | quality | lora")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     lat = modes.add_parser("latency", help="one fixed batch, timed per engine step")
     lat.add_argument("--batch-size", type=int, default=8)
@@ -84,7 +84,15 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     qual.add_argument("--methods", nargs="+", default=methods, choices=methods)
     qual.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     qual.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
-    for p in (lat, tp, srv, comp, ker, qual):
+    lora = modes.add_parser("lora", help="N requests over several random adapters vs the "
+                            "base model (with and without LoRA on), interleaved")
+    lora.add_argument("--num-prompts", type=int, default=32)
+    lora.add_argument("--input-len", type=int, default=128)
+    lora.add_argument("--output-len", type=int, default=64)
+    lora.add_argument("--num-adapters", type=int, default=4)
+    lora.add_argument("--rank", type=int, default=16)
+    lora.add_argument("--repeats", type=int, default=3)
+    for p in (lat, tp, srv, comp, ker, qual, lora):
         _outputs(p)
 
 
@@ -130,6 +138,16 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
                                                   "quantization": quantization}))
 
         result = run_quality(make, args.model, args.methods, args.window, args.max_tokens)
+    elif mode == "lora":
+        from kiln.bench.lora import format_lora as fmt, plot_lora as plot, run_lora
+
+        def make_lora(enable: bool) -> Any:
+            extra = {"enable_lora": enable, "max_loras": args.num_adapters,
+                     "max_cpu_loras": args.num_adapters, "max_lora_rank": args.rank}
+            return make_llm(argparse.Namespace(**{**vars(args), **extra}))
+
+        result = run_lora(make_lora, args.num_prompts, args.input_len, args.output_len,
+                          args.num_adapters, args.rank, args.repeats)
     else:
         from kiln.bench.kernels import format_kernels as fmt, plot_kernels as plot
         from kiln.bench.shapes import run_kernels_for_model

@@ -27,7 +27,9 @@ from kiln.bench.workload import check_positive, lengths, random_prompts
 
 
 def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int,
-                   random_range_ratio: float = 0.0, seed: int = 0) -> dict[str, Any]:
+                   random_range_ratio: float = 0.0, seed: int = 0,
+                   lora_requests: list[Any] | None = None) -> dict[str, Any]:
+    """`lora_requests`: adapters given to the requests in turn (None: the base model)."""
     from kiln.sampling import SamplingParams
 
     check_positive(num_prompts=num_prompts)
@@ -43,9 +45,11 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int,
     prompts = random_prompts(in_lens, engine.model_config.vocab_size, rng)
     ids = [f"tp-{i}" for i in range(num_prompts)]
     start = time.perf_counter()
-    for rid, p, n in zip(ids, prompts, out_lens):
+    loras = lora_requests or [None]
+    for i, (rid, p, n) in enumerate(zip(ids, prompts, out_lens)):
         engine.add_request(rid, {"prompt_token_ids": p},
-                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                           lora_request=loras[i % len(loras)])
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     generated = 0
