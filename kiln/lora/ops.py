@@ -58,3 +58,13 @@ def add_lora(layer: torch.nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.
         return y
     return torch.ops.kiln.lora_apply(y, x, layer.lora_a, layer.lora_b, layer.lora_scaling,
                                      layer.lora_indices)
+
+
+# CUDA tensors take the Triton kernels: kiln/lora/triton_ops.py registers them on import.
+# Only where torch has CUDA and Triton is installed (elsewhere the PyTorch body above serves
+# every device); that module imports Triton at its first launch, never at import, like
+# kiln/ops/triton_quant.py, so `import kiln` stays Triton-free on any host.
+import importlib.util  # noqa: E402
+
+if torch.backends.cuda.is_built() and importlib.util.find_spec("triton") is not None:
+    from kiln.lora import triton_ops  # noqa: E402,F401  (registration is the side effect)
