@@ -10,54 +10,67 @@ Layout (one LoRA-able linear, S slots, N shards of rank R each, NR = N * R):
   padding). Only the first T = x.shape[0] entries are read.
 An adapter of rank r < R leaves its unused rows and columns zero, which adds exact zeros.
 
-`kiln::lora_apply(y, x, a, b, scaling, indices) = y + scaling[s] * (x @ A_s^T) @ B_s^T`
-per token, in the order PEFT computes it. The op is opaque to the compiler (its fake
-returns y's shape), and every value that changes per step or per adapter is a tensor
-the runner or the slot manager writes in place: swapping adapters never recompiles.
+`kiln::lora_add_(y, x, a, b, scaling, indices)` adds, per token and in place,
+`scaling[s] * (x @ A_s^T) @ B_s^T` to y, in the order PEFT computes it. In place because
+y is the GEMM's fresh output: a functional op would copy [T, out] per linear per step
+even when no token has an adapter (Inductor functionalizes the mutation and re-inplaces
+it). The op is opaque to the compiler (its fake returns nothing), and every value that
+changes per step or per adapter is a tensor the runner or the slot manager writes in
+place: swapping adapters never recompiles.
 """
 from __future__ import annotations
 
 import torch
 
 
-@torch.library.custom_op("kiln::lora_apply", mutates_args=())
-def lora_apply(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-               lora_b: torch.Tensor, scaling: torch.Tensor,
-               indices: torch.Tensor) -> torch.Tensor:
-    """PyTorch on any device: one GEMM pair when the tokens share one slot, else every
-    slot at once with a one-hot mask (no per-slot loop, no data-dependent shapes)."""
+@torch.library.custom_op("kiln::lora_add_", mutates_args=("y",))
+def lora_add_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+              lora_b: torch.Tensor, scaling: torch.Tensor, indices: torch.Tensor) -> None:
+    """PyTorch on any device: nothing when no token has an adapter, one GEMM pair when
+    the tokens share one slot, else every slot at once under a one-hot mask (no per-slot
+    loop, no data-dependent shapes)."""
     T = x.shape[0]
     if T == 0:
-        return y.clone()
+        return
     idx = indices[:T]
     lo, hi = (int(v) for v in torch.aminmax(idx))
     if hi < 0:
-        return y.clone()
+        return
     slots = scaling.shape[0]
     nr = lora_a.shape[0] // slots
     if lo == hi:
         a, b = lora_a[lo * nr:(lo + 1) * nr], lora_b[:, lo * nr:(lo + 1) * nr]
-        return y + ((x @ a.t()) @ b.t()) * float(scaling[lo])  # PEFT's scalar product
+        y.add_(((x @ a.t()) @ b.t()).mul_(float(scaling[lo])))  # PEFT's scalar product
+        return
     h = (x @ lora_a.t()).view(T, slots, nr)  # [T, S, NR]: every slot's shrink
     onehot = idx.unsqueeze(1) == torch.arange(slots, device=idx.device)  # [T, S]
-    h = h * onehot.unsqueeze(2).to(h.dtype)  # exact: other slots become 0
+    h.mul_(onehot.unsqueeze(2).to(h.dtype))  # exact: other slots become 0
     delta = h.view(T, slots * nr) @ lora_b.t()
     scale = torch.where(idx >= 0, scaling[idx.clamp(min=0)], 0.0).to(y.dtype)
-    return y + delta * scale.unsqueeze(1)
+    y.add_(delta.mul_(scale.unsqueeze(1)))
 
 
-@lora_apply.register_fake
+@lora_add_.register_fake
 def _(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-      scaling: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(y)
+      scaling: torch.Tensor, indices: torch.Tensor) -> None:
+    return None
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+               lora_b: torch.Tensor, scaling: torch.Tensor,
+               indices: torch.Tensor) -> torch.Tensor:
+    """The functional form (tests, references): a new tensor, y untouched."""
+    out = y.clone()
+    torch.ops.kiln.lora_add_(out, x, lora_a, lora_b, scaling, indices)
+    return out
 
 
 def add_lora(layer: torch.nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The hook a LoRA-able linear calls after its GEMM (a no-op without slots)."""
-    if layer.lora_a is None:
-        return y
-    return torch.ops.kiln.lora_apply(y, x, layer.lora_a, layer.lora_b, layer.lora_scaling,
-                                     layer.lora_indices)
+    if layer.lora_a is not None:
+        torch.ops.kiln.lora_add_(y, x, layer.lora_a, layer.lora_b, layer.lora_scaling,
+                                 layer.lora_indices)
+    return y
 
 
 # CUDA tensors take the Triton kernels: kiln/lora/triton_ops.py registers them on import.

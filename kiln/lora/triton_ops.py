@@ -1,4 +1,4 @@
-"""The batched LoRA op on CUDA: two Triton kernels behind `kiln::lora_apply`.
+"""The batched LoRA op on CUDA: two Triton kernels behind `kiln::lora_add_`.
 
     shrink, grid (T, cdiv(NR, BLOCK_R)):  h[t, r] = x[t] . A_s[r]                 (fp32)
     expand, grid (T, cdiv(out, BLOCK_N)): out[t, n] = y[t, n] + scaling[s] * h[t] . B_s[n]
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kiln.lora.ops import lora_apply
+from kiln.lora.ops import lora_add_
 
 # Untuned defaults: a [BLOCK_R, BLOCK_K] tile of A and a [BLOCK_N, BLOCK_R] tile of B are
 # 2048 and 1024 elements, a comfortable register load for 4 warps. BLOCK_R also bounds the
@@ -122,16 +122,18 @@ def _check(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch
 
 
 def lora_apply_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                      lora_b: torch.Tensor, scaling: torch.Tensor,
-                      indices: torch.Tensor) -> torch.Tensor:
-    """`kiln::lora_apply` (kiln/lora/ops.py) by the two Triton kernels: a new tensor like y.
+                      lora_b: torch.Tensor, scaling: torch.Tensor, indices: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """y plus each token's LoRA update (kiln/lora/ops.py) by the two Triton kernels, into
+    `out` (a new tensor like y by default; `out=y` is the in-place op: each expand
+    program reads its elements of y before it writes the same elements).
 
     y, x, lora_a and lora_b may have any strides (Triton specialises unit strides, so
     contiguous ones load vectorised); scaling and indices are read as dense vectors, and
     only the first T = x.shape[0] indices are read.
     """
     _check(y, x, lora_a, lora_b, scaling, indices)
-    out = torch.empty_like(y)  # the fake's allocation: same strides when compiled
+    out = torch.empty_like(y) if out is None else out
     T, K = x.shape
     if T == 0:
         return out
@@ -154,8 +156,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@lora_apply.register_kernel("cuda")
-def _lora_apply_cuda(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                     lora_b: torch.Tensor, scaling: torch.Tensor,
-                     indices: torch.Tensor) -> torch.Tensor:
-    return lora_apply_triton(y, x, lora_a, lora_b, scaling, indices)
+@lora_add_.register_kernel("cuda")
+def _lora_add_cuda(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+                   lora_b: torch.Tensor, scaling: torch.Tensor, indices: torch.Tensor) -> None:
+    lora_apply_triton(y, x, lora_a, lora_b, scaling, indices, out=y)

@@ -1,4 +1,4 @@
-"""The LoRA Triton kernels on CUDA: `kiln::lora_apply` dispatches to them, they match the
+"""The LoRA Triton kernels on CUDA: `kiln::lora_add_` dispatches to them, they match the
 PyTorch op (run on the CPU as the reference), and a CUDA graph captured once follows new
 indices, slot contents and scalings written in place."""
 from __future__ import annotations
@@ -40,10 +40,10 @@ def check(out: torch.Tensor, args: tuple[torch.Tensor, ...]) -> None:
 def test_the_op_dispatches_to_triton_on_cuda():
     from kiln.lora.triton_ops import lora_apply_triton
 
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("kiln::lora_apply", "CUDA")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kiln::lora_add_", "CUDA")
     args = cuda(make_case(9, 3, 15, 64, 100, torch.bfloat16, [0, -1, 2, 1], seed=1))
     # Bit-equal: the PyTorch body rounds h and the delta to bf16, the kernels do not.
-    assert torch.equal(torch.ops.kiln.lora_apply(*args), lora_apply_triton(*args))
+    assert torch.equal(lora_apply(*args), lora_apply_triton(*args))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
@@ -56,16 +56,16 @@ def test_the_op_dispatches_to_triton_on_cuda():
 def test_mixed_slots_with_base_rows(dtype, T, S, NR, d_in, d_out):
     slots = [1, -1, 0, S - 1, S - 1, -1, 0]
     args = make_case(T, S, NR, d_in, d_out, dtype, slots, seed=T + NR)
-    check(torch.ops.kiln.lora_apply(*cuda(args)), args)
+    check(lora_apply(*cuda(args)), args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 def test_one_slot_no_adapter_and_no_tokens(dtype):
     for slots in ([2], [-1]):
         args = make_case(5, 3, 15, 200, 24, dtype, slots, seed=3)
-        check(torch.ops.kiln.lora_apply(*cuda(args)), args)
+        check(lora_apply(*cuda(args)), args)
     args = make_case(0, 3, 15, 200, 24, dtype, [0], seed=3)
-    assert torch.ops.kiln.lora_apply(*cuda(args)).shape == (0, 24)
+    assert lora_apply(*cuda(args)).shape == (0, 24)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -79,11 +79,11 @@ def test_cuda_graph_follows_indices_and_slots_written_in_place(dtype):
     side = torch.cuda.Stream()  # warm-up (Triton's JIT) off the capture stream
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.ops.kiln.lora_apply(*static)
+        lora_apply(*static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.kiln.lora_apply(*static)
+        out = lora_apply(*static)
     rounds = [[0, 1, 2, 3], [3, -1, 3, 0, -1, 2], [1], [-1, 2], [-1]]
     for i, slots in enumerate(rounds, start=1):
         args = make_case(T, S, NR, d_in, d_out, dtype, slots, seed=i)
