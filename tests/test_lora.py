@@ -7,8 +7,6 @@ tiny model once (about 30 s cold); SmolLM2 runs at -O0 with the session's refere
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
@@ -89,6 +87,28 @@ def test_lora_op_matches_a_per_token_loop():
                 A, B = a[s * NR:(s + 1) * NR], b[:, s * NR:(s + 1) * NR]
                 want[t] += scaling[s] * (B @ (A @ x[t]))
         torch.testing.assert_close(lora_apply(y, x, a, b, scaling, indices), want)
+
+
+def test_scheduler_runs_no_more_adapters_than_slots():
+    """Two slots, requests for adapters 1, 2, 3 and the base model: adapter 3 waits (the
+    base request behind it still starts), and runs once adapter 1's request finishes."""
+    from test_scheduler import fake_run, make_scheduler
+
+    from kiln.engine import Request
+
+    sched = make_scheduler()
+    sched.max_loras = 2
+    loras = [LoRARequest(f"a{i}", i, "/unused") for i in (1, 2, 3)]
+    for rid, lora, n in (("r1", loras[0], 1), ("r2", loras[1], 6), ("r3", loras[2], 6),
+                         ("base", None, 6)):
+        sched.add_request(Request(rid, [5] * 4, SamplingParams(temperature=0, max_tokens=n),
+                                  lora_request=lora))
+    so = sched.schedule()
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["r1", "r2", "base"]
+    assert [r.lora_request for r in so.scheduled_new_reqs] == [loras[0], loras[1], None]
+    fake_run(sched, so)  # r1 reaches max_tokens=1 and finishes
+    so = sched.schedule()
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["r3"]
 
 
 # ---- parity, mixing, slots --------------------------------------------------------------
