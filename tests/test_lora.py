@@ -15,7 +15,6 @@ from lora_utils import ALL, make_adapter, peft_greedy
 
 from kiln import LLM, LoRARequest, SamplingParams
 from kiln.compiler import compilation_counter
-from kiln.lora.ops import lora_apply
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -69,24 +68,36 @@ def run(llm: LLM, prompts: list[list[int]], loras: list) -> list[list[int]]:
 
 
 # ---- the op --------------------------------------------------------------------------------
-def test_lora_op_matches_a_per_token_loop():
-    """Mixed slots, base rows (-1) and a rank padded with zeros, in both code paths (one
-    slot for every token, and the one-hot mix)."""
+@pytest.mark.parametrize("impl", ["torch", "cpu_kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_op_matches_a_per_token_loop(impl, dtype, request):
+    """Mixed slots, base rows (-1) and a rank padded with zeros, in every code path: one
+    slot for every token, the mix, none; and for kiln's C++ op the per-token loops (few
+    rows) and the per-slot GEMMs (600 rows)."""
+    op = torch.ops.kiln.lora_add_
+    if impl == "cpu_kernel":
+        request.getfixturevalue("cpu_kernels_loaded")
+        op = torch.ops.kiln_cpu.lora_add_
     g = torch.Generator().manual_seed(0)
-    S, NR, T, d_in, d_out = 3, 6, 9, 16, 12
+    S, NR, d_in, d_out = 3, 6, 40, 72  # 72 columns: one 64-wide block and a ragged one
     a = torch.randn(S * NR, d_in, generator=g)
-    b = torch.randn(d_out, S * NR, generator=g)
+    b = torch.randn(S * NR, d_out, generator=g)  # B^T
     a[NR - 2:NR] = 0  # slot 0 has rank 4 of 6
     scaling = torch.tensor([0.5, 2.0, 1.5])
-    x, y = torch.randn(T, d_in, generator=g), torch.randn(T, d_out, generator=g)
-    for idx in ([2, -1, 0, 0, 1, -1, 2, 2, 1], [1] * T, [-1] * T):
-        indices = torch.tensor(idx + [5, 5])  # entries past T are never read
+    mixed = [2, -1, 0, 0, 1, -1, 2, 2, 1]
+    for T, idx in ((9, mixed), (9, [1] * 9), (9, [-1] * 9), (600, mixed * 66 + [1] * 6)):
+        x, y = torch.randn(T, d_in, generator=g), torch.randn(T, d_out, generator=g)
+        indices = torch.tensor(idx + [-1, -1])  # entries past T are never read
         want = y.clone()
         for t, s in enumerate(idx):
             if s >= 0:
-                A, B = a[s * NR:(s + 1) * NR], b[:, s * NR:(s + 1) * NR]
-                want[t] += scaling[s] * (B @ (A @ x[t]))
-        torch.testing.assert_close(lora_apply(y, x, a, b, scaling, indices), want)
+                A, Bt = a[s * NR:(s + 1) * NR], b[s * NR:(s + 1) * NR]
+                want[t] += scaling[s] * (Bt.t() @ (A @ x[t]))
+        got = y.to(dtype)
+        op(got, x.to(dtype), a.to(dtype), b.to(dtype), scaling, indices)
+        # bf16: a few roundings of values up to max|want| (h, the update, the sum)
+        atol = 1e-4 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=1e-4)
 
 
 def test_scheduler_runs_no_more_adapters_than_slots():

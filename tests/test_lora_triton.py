@@ -31,7 +31,7 @@ def make_case(T: int, S: int, NR: int, d_in: int, d_out: int, dtype: torch.dtype
     x = torch.randn(T, d_in, generator=g)
     y = torch.randn(T, d_out, generator=g)
     a = torch.randn(S * NR, d_in, generator=g) / d_in ** 0.5
-    b = torch.randn(d_out, S * NR, generator=g) / NR ** 0.5
+    b = torch.randn(S * NR, d_out, generator=g) / NR ** 0.5  # B^T
     scaling = torch.rand(S, generator=g) + 0.5
     indices = torch.tensor([slots[t % len(slots)] for t in range(T)] + [S + 7] * 3)
     return (y.to(dtype), x.to(dtype), a.to(dtype), b.to(dtype), scaling, indices)

@@ -47,7 +47,7 @@ def install_slots(model: nn.Module, cfg: LoRAConfig, indices: torch.Tensor,
         nr = len(shard_names(layer)) * R
         device = indices.device
         layer.lora_a = torch.zeros(S * nr, layer.in_features, dtype=dtype, device=device)
-        layer.lora_b = torch.zeros(layer.out_features, S * nr, dtype=dtype, device=device)
+        layer.lora_b = torch.zeros(S * nr, layer.out_features, dtype=dtype, device=device)
         layer.lora_scaling = torch.zeros(S, dtype=torch.float32, device=device)
         layer.lora_indices = indices
     return targets
@@ -56,7 +56,7 @@ def install_slots(model: nn.Module, cfg: LoRAConfig, indices: torch.Tensor,
 def clear_slot(layer: Linear, slot: int) -> None:
     nr = layer.lora_a.shape[0] // layer.lora_scaling.shape[0]
     layer.lora_a[slot * nr:(slot + 1) * nr].zero_()
-    layer.lora_b[:, slot * nr:(slot + 1) * nr].zero_()
+    layer.lora_b[slot * nr:(slot + 1) * nr].zero_()
     layer.lora_scaling[slot] = 0.0
 
 
@@ -73,7 +73,7 @@ def write_slot(layer: Linear, slot: int, updates: dict[str | None, ModuleUpdate]
     fold = len(scalings) > 1
     nr = layer.lora_a.shape[0] // layer.lora_scaling.shape[0]
     a_slot = layer.lora_a[slot * nr:(slot + 1) * nr]
-    b_slot = layer.lora_b[:, slot * nr:(slot + 1) * nr]
+    bt_slot = layer.lora_b[slot * nr:(slot + 1) * nr]  # B^T
     for j, shard in enumerate(shard_names(layer)):
         u = updates.get(shard)
         if u is None:
@@ -89,5 +89,5 @@ def write_slot(layer: Linear, slot: int, updates: dict[str | None, ModuleUpdate]
             b = b[s.src_start:s.src_start + s.rows]
             rows = slice(s.offset, s.offset + s.rows)
         a_slot[col:col + r].copy_(a)
-        b_slot[rows, col:col + r].copy_(b * u.scaling if fold else b)
+        bt_slot[col:col + r, rows].copy_((b * u.scaling if fold else b).t())
     layer.lora_scaling[slot] = 1.0 if fold else scalings.pop()

@@ -3,8 +3,10 @@
 Layout (one LoRA-able linear, S slots, N shards of rank R each, NR = N * R):
 - `lora_a` [S * NR, in]: slot s owns rows [s * NR, (s + 1) * NR); shard j of a fused
   layer (q|k|v, gate|up) owns the R rows from j * R inside them.
-- `lora_b` [out, S * NR]: slot s owns columns [s * NR, (s + 1) * NR), block-diagonal per
-  shard (shard j's output rows use only shard j's R columns; the rest are zero).
+- `lora_b` [S * NR, out], B transposed: slot s owns rows [s * NR, (s + 1) * NR),
+  block-diagonal per shard (shard j's R rows reach only shard j's output columns; the
+  rest are zero). Transposed so that the expand runs FMAs along contiguous output columns
+  (kiln/ops/csrc/lora.cpp).
 - `lora_scaling` [S] float32: alpha / r (or alpha / sqrt(r), rsLoRA) per slot.
 - `lora_indices` [max_tokens] int64: the slot of each token, -1 for none (the base model,
   padding). Only the first T = x.shape[0] entries are read.
@@ -39,13 +41,13 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
     slots = scaling.shape[0]
     nr = lora_a.shape[0] // slots
     if lo == hi:
-        a, b = lora_a[lo * nr:(lo + 1) * nr], lora_b[:, lo * nr:(lo + 1) * nr]
-        y.add_(((x @ a.t()) @ b.t()).mul_(float(scaling[lo])))  # PEFT's scalar product
+        a, bt = lora_a[lo * nr:(lo + 1) * nr], lora_b[lo * nr:(lo + 1) * nr]
+        y.add_(((x @ a.t()) @ bt).mul_(float(scaling[lo])))  # PEFT's scalar product
         return
     h = (x @ lora_a.t()).view(T, slots, nr)  # [T, S, NR]: every slot's shrink
     onehot = idx.unsqueeze(1) == torch.arange(slots, device=idx.device)  # [T, S]
     h.mul_(onehot.unsqueeze(2).to(h.dtype))  # exact: other slots become 0
-    delta = h.view(T, slots * nr) @ lora_b.t()
+    delta = h.view(T, slots * nr) @ lora_b
     scale = torch.where(idx >= 0, scaling[idx.clamp(min=0)], 0.0).to(y.dtype)
     y.add_(delta.mul_(scale.unsqueeze(1)))
 
@@ -66,10 +68,17 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
 
 
 def add_lora(layer: torch.nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The hook a LoRA-able linear calls after its GEMM (a no-op without slots)."""
+    """The hook a LoRA-able linear calls after its GEMM (a no-op without slots). On a CPU
+    with kiln's kernels the graph calls `kiln_cpu::lora_add_` (kiln/ops/csrc/lora.cpp:
+    the same contract without Python on the hot path); decided at trace time."""
     if layer.lora_a is not None:
-        torch.ops.kiln.lora_add_(y, x, layer.lora_a, layer.lora_b, layer.lora_scaling,
-                                 layer.lora_indices)
+        op = torch.ops.kiln.lora_add_
+        if y.device.type == "cpu" and y.dtype in (torch.float32, torch.bfloat16):
+            from kiln.ops import cpu_kernels
+
+            if cpu_kernels.loaded():
+                op = torch.ops.kiln_cpu.lora_add_
+        op(y, x, layer.lora_a, layer.lora_b, layer.lora_scaling, layer.lora_indices)
     return y
 
 

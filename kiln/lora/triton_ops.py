@@ -2,8 +2,8 @@
 
     shrink, grid (T, cdiv(NR, BLOCK_R)):  h[t, r] = x[t] . A_s[r]                 (fp32)
     expand, grid (T, cdiv(out, BLOCK_N)): out[t, n] = y[t, n] + scaling[s] * h[t] . B_s[n]
-with s = indices[t] and A_s, B_s slot s's rows of `lora_a` and columns of `lora_b`
-(kiln/lora/ops.py has the layout). Products accumulate in fp32 and h stays fp32 between
+with s = indices[t] and A_s, B_s^T slot s's rows of `lora_a` and `lora_b` (B stored
+transposed; kiln/lora/ops.py has the layout). Products accumulate in fp32 and h stays fp32 between
 the kernels, so a half-precision result is rounded once, at the store.
 
 Two kernels, not one fused: a fused program per (token, output block) would recompute
@@ -113,9 +113,9 @@ def _check(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch
                          f"{lora_b.dtype} must match x {tuple(x.shape)} {x.dtype}")
     if S == 0 or lora_a.shape[0] % S or lora_a.shape[1] != K:
         raise ValueError(f"lora_a {tuple(lora_a.shape)} must be [S * NR, {K}] with S={S}")
-    if tuple(lora_b.shape) != (y.shape[1], lora_a.shape[0]):
-        raise ValueError(f"lora_b {tuple(lora_b.shape)} must be [{y.shape[1]}, "
-                         f"{lora_a.shape[0]}]")
+    if tuple(lora_b.shape) != (lora_a.shape[0], y.shape[1]):
+        raise ValueError(f"lora_b (B^T) {tuple(lora_b.shape)} must be [{lora_a.shape[0]}, "
+                         f"{y.shape[1]}]")
     if scaling.dtype != torch.float32 or indices.shape[0] < T:
         raise ValueError(f"scaling must be float32 (is {scaling.dtype}) and indices hold "
                          f">= {T} entries (holds {indices.shape[0]})")
@@ -147,7 +147,7 @@ def lora_apply_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
         lora_a.stride(1), BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
     expand[(T, _cdiv(N, BLOCK_N))](
         y, h, lora_b, scaling, indices, out, S, NR, N, y.stride(0), y.stride(1),
-        lora_b.stride(0), lora_b.stride(1), out.stride(0), out.stride(1),
+        lora_b.stride(1), lora_b.stride(0), out.stride(0), out.stride(1),  # B^T: (n, r)
         BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R)
     return out
 

@@ -124,6 +124,12 @@ def register_fakes() -> None:
                            panel_from: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], codes.shape[0] * 16))
 
+    @torch.library.register_fake("kiln_cpu::lora_add_")
+    def _lora_add_fake(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+                       lora_b: torch.Tensor, scaling: torch.Tensor,
+                       indices: torch.Tensor) -> None:
+        return None
+
     @torch.library.register_fake("kiln_cpu::greedy_argmax")
     def _greedy_argmax_fake(logits: torch.Tensor) -> torch.Tensor:
         return logits.new_empty((logits.shape[0],), dtype=torch.long)
