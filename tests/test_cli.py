@@ -45,3 +45,32 @@ def test_generate_streams_at_o1_and_cache_commands(smollm2_dir, tmp_path):
     assert "LlamaForCausalLM L=30" in listing.stdout and " ok " in listing.stdout
     empty = kiln("cache", "ls", "--cache-dir", str(tmp_path))
     assert "no compile cache entries" in empty.stdout
+
+
+def test_generate_with_a_lora_adapter(smollm2_dir, tmp_path, capsys):
+    """`--lora-path` runs the prompt with the adapter (LoRA turns on by itself); a bad
+    adapter is a clear error before any prompt runs. In process on a tiny model: cheap."""
+    import torch
+    import transformers
+    from lora_utils import make_adapter
+    from server_utils import make_tiny_chat_model
+
+    from kiln import LLM, LoRARequest, SamplingParams
+    from kiln.entrypoints.cli import main
+
+    model_dir = make_tiny_chat_model(tmp_path / "model", smollm2_dir)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    make_adapter(base.eval(), tmp_path / "sql", 4, ["q_proj", "v_proj"], seed=3)
+    flags = ["--model", str(model_dir), "-O0", "--dtype", "float32", "--num-kv-blocks", "64",
+             "--max-tokens", "6", "--ignore-eos"]
+    assert main(["generate", *flags, "--lora-path", str(tmp_path / "sql"), "Hello"]) == 0
+    shown = capsys.readouterr().out.split(">>> Hello\n", 1)[1].splitlines()[0]
+    ref = LLM(str(model_dir), progress=False, dtype="float32", optimization_level=0,
+              num_kv_blocks=64, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with_adapter = ref.generate("Hello", params, use_tqdm=False,
+                                lora_request=LoRARequest("sql", 1, str(tmp_path / "sql")))
+    assert shown == with_adapter[0].outputs[0].text.strip()
+    assert shown != ref.generate("Hello", params, use_tqdm=False)[0].outputs[0].text.strip()
+    assert main(["generate", *flags, "--lora-path", str(tmp_path / "nope"), "Hello"]) == 2
+    assert "missing adapter_config.json" in capsys.readouterr().err

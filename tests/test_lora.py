@@ -160,6 +160,14 @@ def test_each_adapter_alone_equals_its_place_in_a_mix(tiny_models, adapters, pro
     assert stats().prefix_cache_hits > hits
     mixed = run(llm, [p] * 4, [None] + [adapters[n][0] for n in ("a1", "a2", "a3")])
     assert mixed == [references[n][2] for n in (None, "a1", "a2", "a3")]
+    # Unloaded, a1's id still means a1 (its KV stays cached under that id) ...
+    assert llm.engine.remove_lora(1)
+    a2 = adapters["a2"][0]
+    out = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False,
+                       lora_request=LoRARequest("a2", 1, a2.lora_path))
+    assert "already names adapter 'a1'" in out[0].error
+    # ... and a1 itself comes back from disk.
+    assert run(llm, [p], [adapters["a1"][0]]) == [references["a1"][2]]
 
 
 def test_swapping_adapters_at_o2_never_recompiles(tiny_models, adapters, prompts,

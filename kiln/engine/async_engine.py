@@ -3,9 +3,15 @@ results fanned out to asyncio streams, one per request.
 
 Threading contract: `LLMEngine` is not thread-safe, so exactly one thread (the engine
 thread) ever touches it. The event loop talks to that thread only through a command
-queue (add, abort, stop); the engine thread talks back only through
+queue (add, abort, LoRA add/remove, stop); the engine thread talks back only through
 `loop.call_soon_threadsafe`. The torch work inside `step()` releases the GIL, so the event
 loop keeps serving HTTP while the model runs.
+
+LoRA contract: adapters are registered and unloaded on the engine thread, between steps.
+Unloading an adapter that in-flight requests still use only marks it: new requests that
+name it are rejected at once, and the workers drop it when its last request finishes (a
+running request never loses its adapter, and its directory may be deleted right after
+the unload returns).
 
 Output contract: a stream yields DELTA outputs: each `RequestOutput` carries only the
 completions that changed this step, and their `text`, `token_ids` and `logprobs` hold
@@ -20,11 +26,13 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import RequestOutput
+from kiln.lora import LoRAError, LoRARequest
 from kiln.sampling import RequestOutputKind, SamplingParams
 from kiln.scheduler import SchedulerStats
 
@@ -87,11 +95,24 @@ class _Add:
     accepted: asyncio.Future
     arrival: float  # time.monotonic() when the caller asked: TTFT includes queueing
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _AddLoRA:
+    lora_request: LoRARequest
+    done: asyncio.Future
+
+
+@dataclass(slots=True)
+class _RemoveLoRA:
+    lora_int_id: int
+    done: asyncio.Future
 
 
 _STOP = object()
@@ -103,6 +124,7 @@ class _Progress:
 
     stream: RequestStream
     arrival: float
+    lora_int_id: int | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_finished: int = 0
@@ -119,10 +141,18 @@ class AsyncLLMEngine:
         self.on_dead = on_dead  # called from the engine thread when a step fails
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._progress: dict[str, _Progress] = {}  # engine thread only
+        # Engine thread only: in-flight requests per adapter id; unloaded ids (requests
+        # naming them are rejected until add_lora again); unloads waiting for requests.
+        self._lora_users: Counter[int] = Counter()
+        self._unloaded: set[int] = set()
+        self._pending_unload: set[int] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead_error: BaseException | None = None
         self.stats: SchedulerStats = engine.get_stats()  # replaced by the engine thread
+        # Requests per adapter name since start (a copy the engine thread publishes, so
+        # readers such as /metrics never touch the engine).
+        self.lora_request_counts: dict[str, int] = self._lora_counts()
 
     # ---- event-loop side -----------------------------------------------------------------
     def start(self) -> None:
@@ -137,10 +167,11 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
     async def add_request(self, request_id: str, prompt: str | dict[str, Any],
-                          params: SamplingParams, *, priority: int = 0) -> RequestStream:
+                          params: SamplingParams, *, priority: int = 0,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request; return its stream once the engine accepted it. A bad request
-        raises `ValueError` here (nothing else is affected); a dead engine raises
-        `EngineDeadError`."""
+        (or adapter) raises `ValueError` here (nothing else is affected); a dead engine
+        raises `EngineDeadError`."""
         # Streams carry only what is new: the engine shapes each output as a delta.
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self.start()
@@ -150,7 +181,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self)
         accepted = self._loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, stream, accepted,
-                                time.monotonic(), priority))
+                                time.monotonic(), priority, lora_request))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -161,6 +192,25 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check and register an adapter on the engine thread (requests may then name
+        it). A bad adapter, or LoRA being off, raises `ValueError`."""
+        await self._submit(lambda done: _AddLoRA(lora_request, done))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (see the LoRA contract above); False if the engine did not
+        know it. The id stays unusable until `add_lora` registers it again."""
+        return await self._submit(lambda done: _RemoveLoRA(lora_int_id, done))
+
+    async def _submit(self, make: Callable[[asyncio.Future], Any]) -> Any:
+        self.start()
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.dead_error}")
+        assert self._loop is not None
+        done = self._loop.create_future()
+        self._commands.put(make(done))
+        return await done
 
     async def shutdown(self) -> None:
         if self._thread is None:
@@ -181,6 +231,7 @@ class AsyncLLMEngine:
                     outputs = self.engine.step()
                     self._dispatch(outputs, time.monotonic())
                 self.stats = self.engine.get_stats()
+                self.lora_request_counts = self._lora_counts()
         except BaseException as exc:  # a bug in a step, a dead worker: fail every request
             logger.exception("engine thread died")
             self.dead_error = exc
@@ -206,22 +257,74 @@ class AsyncLLMEngine:
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id)
+            elif isinstance(cmd, _AddLoRA):
+                self._add_lora(cmd)
+            elif isinstance(cmd, _RemoveLoRA):
+                self._remove_lora(cmd)
 
     def _add(self, cmd: _Add) -> None:
+        lora = cmd.lora_request
         try:
+            if lora is not None and lora.lora_int_id in self._unloaded:
+                raise LoRAError(f"LoRA adapter {lora.lora_name!r} was unloaded; load it "
+                                 "again to use it")
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                    priority=cmd.priority)
+                                    priority=cmd.priority, lora_request=lora)
         except ValueError as exc:  # the request fails alone
             self._call(_resolve, cmd.accepted, exc)
             return
-        self._progress[cmd.request_id] = _Progress(cmd.stream, cmd.arrival)
+        lora_id = None if lora is None else lora.lora_int_id
+        if lora_id is not None:
+            self._lora_users[lora_id] += 1
+        self._progress[cmd.request_id] = _Progress(cmd.stream, cmd.arrival, lora_id)
         self._call(_resolve, cmd.accepted, None)
+
+    def _add_lora(self, cmd: _AddLoRA) -> None:
+        try:
+            if self.engine.loras is None:
+                raise ValueError("this engine runs without LoRA: start it with "
+                                 "enable_lora=True (--enable-lora)")
+            self.engine.loras.check(cmd.lora_request)
+        except ValueError as exc:
+            self._call(_resolve, cmd.done, exc)
+            return
+        lora_id = cmd.lora_request.lora_int_id
+        self._unloaded.discard(lora_id)
+        self._pending_unload.discard(lora_id)  # wanted again: keep it loaded
+        self._call(_resolve, cmd.done, None)
+
+    def _remove_lora(self, cmd: _RemoveLoRA) -> None:
+        lora_id = cmd.lora_int_id
+        known = self.engine.loras is not None and lora_id in self.engine.loras.known
+        self._unloaded.add(lora_id)
+        if self._lora_users[lora_id]:
+            self._pending_unload.add(lora_id)  # its last request unloads it
+        else:
+            self.engine.remove_lora(lora_id)
+        self._call(_resolve, cmd.done, None, known)
+
+    def _release(self, progress: _Progress) -> None:
+        """A request left the engine: unload its adapter if an unload waits for it."""
+        lora_id = progress.lora_int_id
+        if lora_id is None:
+            return
+        self._lora_users[lora_id] -= 1
+        if self._lora_users[lora_id] <= 0:
+            del self._lora_users[lora_id]
+            if lora_id in self._pending_unload:
+                self._pending_unload.discard(lora_id)
+                self.engine.remove_lora(lora_id)
+
+    def _lora_counts(self) -> dict[str, int]:
+        loras = self.engine.loras
+        return {} if loras is None else dict(loras.request_counts)
 
     def _abort(self, request_id: str) -> None:
         progress = self._progress.pop(request_id, None)
         if progress is None:
             return  # already finished (or never accepted)
         self.engine.abort_request(request_id)
+        self._release(progress)
         if self.observer is not None:
             self.observer.record_finished("abort", time.monotonic() - progress.arrival)
 
@@ -234,6 +337,7 @@ class AsyncLLMEngine:
             self._observe(progress, out, num_new, now)
             if out.finished:
                 del self._progress[out.request_id]
+                self._release(progress)
             if out.outputs or out.finished:
                 self._call(progress.stream._put, out)
 
@@ -266,6 +370,8 @@ class AsyncLLMEngine:
                 break
             if isinstance(cmd, _Add):
                 self._call(_resolve, cmd.accepted, error)
+            elif isinstance(cmd, (_AddLoRA, _RemoveLoRA)):
+                self._call(_resolve, cmd.done, error)
 
     def _call(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -275,10 +381,10 @@ class AsyncLLMEngine:
             pass  # the loop is closed: nobody is listening any more
 
 
-def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     if fut.done():
         return  # its waiter was cancelled
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)

@@ -14,7 +14,7 @@ from kiln.engine.detokenizer import token_namer
 from kiln.engine.output_processor import OutputProcessor, sample_ids
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.request import Request, RequestStatus
-from kiln.lora import LoRARequest
+from kiln.lora import LoRAError, LoRARequest
 from kiln.lora.registry import AdapterRegistry
 from kiln.distributed.executor import Executor, make_executor
 from kiln.distributed.worker import RunnerSpec
@@ -162,10 +162,10 @@ class LLMEngine:
         if lora_request is None:
             return
         if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a kiln.LoRARequest, got "
+            raise LoRAError(f"lora_request must be a kiln.LoRARequest, got "
                              f"{type(lora_request).__name__}")
         if self.loras is None:
-            raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but "
+            raise LoRAError(f"request names LoRA adapter {lora_request.lora_name!r} but "
                              "this engine runs without LoRA: start it with enable_lora=True "
                              "(--enable-lora)")
         self.loras.check(lora_request)

@@ -6,10 +6,12 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from kiln.config import EngineConfig
 from kiln.entrypoints.cache_cli import cmd_cache, cmd_warmup
+from kiln.lora import LoRARequest
 
 
 def _default(name: str) -> Any:
@@ -64,6 +66,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["uni", "mp", "external_launcher"],
                    help="who runs the ranks: uni (in process, tp=1), mp (one process per "
                         "rank; the default for tp>1), external_launcher (torchrun)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (slots on every decoder linear)")
+    p.add_argument("--max-loras", type=int, default=_default("max_loras"), metavar="N",
+                   help="distinct adapters one step may run (device slots; default 1)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, metavar="M",
+                   help="adapters kept loaded behind the slots, LRU (default: --max-loras)")
+    p.add_argument("--max-lora-rank", type=int, default=_default("max_lora_rank"),
+                   metavar="R", help="largest adapter rank accepted (default 16)")
+
+
+def _lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-path", default=None, metavar="DIR",
+                   help="run the prompts with this PEFT LoRA adapter (turns LoRA on)")
+    p.add_argument("--lora-name", default=None,
+                   help="the adapter's name (default: the directory's name)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -92,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-n", type=int, default=1, help="samples per prompt")
     chat = sub.add_parser("chat", help="multi-turn chat at a prompt")
     chat.add_argument("--system", default=None, help="system prompt")
+    for p in (gen, chat):
+        _lora_args(p)
     serve = sub.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP")
     warm = sub.add_parser("warmup", help="compile (or load) everything for a configuration "
                                          "into the compile cache and report")
@@ -128,7 +147,29 @@ def _make_llm(args: argparse.Namespace) -> Any:
                long_prefill_token_threshold=args.long_prefill_token_threshold,
                tensor_parallel_size=args.tensor_parallel_size,
                distributed_executor_backend=args.distributed_executor_backend,
-               quantization=args.quantization)
+               quantization=args.quantization, enable_lora=args.enable_lora,
+               max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+               max_lora_rank=args.max_lora_rank)
+
+
+def _lora_request(args: argparse.Namespace) -> LoRARequest | None:
+    """The adapter of --lora-path (id 1), or None; turns LoRA on when there is one."""
+    if args.lora_path is None:
+        if args.lora_name is not None:
+            raise ValueError("--lora-name needs --lora-path DIR (the adapter directory)")
+        return None
+    args.enable_lora = True
+    name = args.lora_name or Path(args.lora_path).resolve().name
+    return LoRARequest(name, 1, args.lora_path)
+
+
+def _checked_llm(args: argparse.Namespace, lora: LoRARequest | None) -> Any:
+    """The LLM, with the adapter checked up front: a bad one is a clear error (exit 2),
+    not an error line per prompt."""
+    llm = _make_llm(args)
+    if lora is not None:
+        llm.engine.loras.check(lora)
+    return llm
 
 
 def _compilation(args: argparse.Namespace) -> dict[str, Any]:
@@ -161,16 +202,18 @@ def _params(args: argparse.Namespace) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)  # bad sampling values fail before the model loads
-    llm = _make_llm(args)
+    lora = _lora_request(args)
+    llm = _checked_llm(args, lora)
     prompts: list[Any] = args.prompts
     if args.chat:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     start = time.perf_counter()
     if args.stream:
-        tokens = _stream(llm, args.prompts, prompts, params)
+        tokens = _stream(llm, args.prompts, prompts, params, lora)
     else:
         tokens = _print_all(args.prompts, llm.generate(prompts, params,
-                                                       use_tqdm=len(prompts) > 1))
+                                                       use_tqdm=len(prompts) > 1,
+                                                       lora_request=lora))
     elapsed = time.perf_counter() - start
     print(f"\nload {llm.engine.load_time_s:.1f} s | {tokens} tokens in {elapsed:.2f} s | "
           f"{tokens / elapsed:.1f} tok/s | {llm.engine.dtype} activations, quantization "
@@ -190,12 +233,13 @@ def _print_all(shown: list[str], outputs: list[Any]) -> int:
     return tokens
 
 
-def _stream(llm: Any, shown: list[str], prompts: list[Any], params: Any) -> int:
+def _stream(llm: Any, shown: list[str], prompts: list[Any], params: Any,
+            lora: LoRARequest | None) -> int:
     """Print each request's text as it arrives. Streams of several prompts or samples
     interleave, so each burst of text is labelled when its source changes."""
     tokens, current = 0, None
     labels = {str(i): p for i, p in enumerate(shown)}
-    for out in llm.generate_stream(prompts, params):
+    for out in llm.generate_stream(prompts, params, lora_request=lora):
         for c in out.outputs:
             key = (out.request_id, c.index)
             if key != current and (len(shown) > 1 or params.n > 1 or current is None):
@@ -212,7 +256,8 @@ def _stream(llm: Any, shown: list[str], prompts: list[Any], params: Any) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
+    lora = _lora_request(args)
+    llm = _checked_llm(args, lora)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -225,7 +270,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line or line in ("/exit", "/quit"):
             break
         history.append({"role": "user", "content": line})
-        out = llm.chat(history, _params(args), use_tqdm=False)[0]
+        out = llm.chat(history, _params(args), use_tqdm=False, lora_request=lora)[0]
         if out.error:
             print(f"[error] {out.error}")
             history.pop()

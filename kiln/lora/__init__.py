@@ -1,5 +1,5 @@
 """Multi-LoRA serving: adapters in device slots, one batched op, no recompiles."""
 from kiln.lora.config import LoRAConfig
-from kiln.lora.request import LoRARequest
+from kiln.lora.request import LoRAError, LoRARequest
 
-__all__ = ["LoRAConfig", "LoRARequest"]
+__all__ = ["LoRAConfig", "LoRAError", "LoRARequest"]

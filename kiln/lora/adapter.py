@@ -4,8 +4,8 @@ A directory holds `adapter_config.json` and `adapter_model.safetensors` (or `.bi
 Tensor names look like `base_model.model.<module>.lora_A.weight`; `<module>` is the base
 checkpoint's name for the projection (`model.layers.3.self_attn.q_proj`), which the
 model's own `checkpoint_name` maps to a kiln layer and shard (q of the fused qkv_proj).
-Every failure is a `ValueError` naming the adapter, the cause and the fix, raised before
-anything touches the engine's slots.
+Every failure is a `LoRAError` (a `ValueError`) naming the adapter, the cause and the
+fix, raised before anything touches the engine's slots.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from kiln.lora.layers import ModuleUpdate, shard_names
-from kiln.lora.request import LoRARequest
+from kiln.lora.request import LoRAError, LoRARequest
 from kiln.models.layers import Linear
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -63,7 +63,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, Linear],
     rank = 0
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{where}: {module} has lora_{''.join(ab)} but not both A and B")
+            raise LoRAError(f"{where}: {module} has lora_{''.join(ab)} but not both A and B")
         path, shard, layer = _locate(module, targets, checkpoint_name, where)
         a, b = ab["A"], ab["B"]
         r = a.shape[0]
@@ -71,30 +71,30 @@ def load_adapter(request: LoRARequest, targets: dict[str, Linear],
         rank = max(rank, r)
         modules.setdefault(path, {})[shard] = ModuleUpdate(a, b, _scaling(config, module, r))
     if others:  # after the modules: a bad target is the clearer message
-        raise ValueError(f"{where}: tensor {others[0]!r} is not a LoRA A/B weight (only "
+        raise LoRAError(f"{where}: tensor {others[0]!r} is not a LoRA A/B weight (only "
                          "lora_A/lora_B of linear projections are supported)")
     if not modules:
-        raise ValueError(f"{where}: the adapter holds no LoRA weights")
+        raise LoRAError(f"{where}: the adapter holds no LoRA weights")
     return LoRAAdapter(request, rank, modules)
 
 
 def _read_config(root: Path, where: str) -> dict[str, Any]:
     file = root / "adapter_config.json"
     if not file.is_file():
-        raise ValueError(f"{where}: missing {file.name}; pass a PEFT adapter directory "
+        raise LoRAError(f"{where}: missing {file.name}; pass a PEFT adapter directory "
                          "(adapter_config.json + adapter_model.safetensors)")
     config = json.loads(file.read_text())
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise ValueError(f"{where}: peft_type={config['peft_type']!r}; only LORA adapters "
+        raise LoRAError(f"{where}: peft_type={config['peft_type']!r}; only LORA adapters "
                          "are supported")
     for field, what in _UNSUPPORTED.items():
         if config.get(field):
-            raise ValueError(f"{where}: {field}=true ({what}) is not supported")
+            raise LoRAError(f"{where}: {field}=true ({what}) is not supported")
     if config.get("bias", "none") != "none":
-        raise ValueError(f"{where}: bias={config['bias']!r} trains bias terms, which are "
+        raise LoRAError(f"{where}: bias={config['bias']!r} trains bias terms, which are "
                          "not supported; use adapters trained with bias='none'")
     if config.get("modules_to_save"):
-        raise ValueError(f"{where}: modules_to_save={config['modules_to_save']} replaces "
+        raise LoRAError(f"{where}: modules_to_save={config['modules_to_save']} replaces "
                          "whole modules, which is not supported")
     return config
 
@@ -107,7 +107,7 @@ def _read_tensors(root: Path, where: str) -> dict[str, torch.Tensor]:
         return load_file(str(st))
     if pt.is_file():
         return torch.load(pt, map_location="cpu", weights_only=True)
-    raise ValueError(f"{where}: missing adapter_model.safetensors (or adapter_model.bin)")
+    raise LoRAError(f"{where}: missing adapter_model.safetensors (or adapter_model.bin)")
 
 
 def _locate(module: str, targets: dict[str, Linear],
@@ -117,7 +117,7 @@ def _locate(module: str, targets: dict[str, Linear],
     path = mapped[0].removesuffix(".weight") if mapped else None
     if path not in targets:
         names = sorted({n.rsplit(".", 1)[-1] for n in targets})
-        raise ValueError(f"{where}: it targets {module!r}, which the base model lacks or "
+        raise LoRAError(f"{where}: it targets {module!r}, which the base model lacks or "
                          f"cannot adapt (LoRA-able: the decoder layers' {', '.join(names)} "
                          "and their q/k/v, gate/up projections)")
     return path, mapped[1], targets[path]
@@ -127,16 +127,16 @@ def _check_shapes(where: str, module: str, layer: Linear, shard: str | None,
                   a: torch.Tensor, b: torch.Tensor, max_rank: int) -> None:
     r = a.shape[0]
     if r > max_rank:
-        raise ValueError(f"{where}: {module} has rank {r}, over max_lora_rank={max_rank}; "
+        raise LoRAError(f"{where}: {module} has rank {r}, over max_lora_rank={max_rank}; "
                          f"start the engine with --max-lora-rank {_pow2(r)} or more")
     if shard not in shard_names(layer):
-        raise ValueError(f"{where}: {module} maps to shard {shard!r} of a layer without it")
+        raise LoRAError(f"{where}: {module} maps to shard {shard!r} of a layer without it")
     in_full = layer.full_in if isinstance(layer, RowParallelLinear) else layer.in_features
     out_full = layer.shards[shard].src_rows if isinstance(layer, ColumnParallelLinear) \
         else layer.out_features
     if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, in_full) \
             or tuple(b.shape) != (out_full, r):
-        raise ValueError(f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B "
+        raise LoRAError(f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B "
                          f"{tuple(b.shape)}; the base model needs ({r}, {in_full}) and "
                          f"({out_full}, {r}): the adapter was trained for another model")
 

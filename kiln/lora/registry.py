@@ -14,7 +14,7 @@ import torch
 from kiln.lora.adapter import load_adapter
 from kiln.lora.config import LoRAConfig
 from kiln.lora.layers import lora_targets
-from kiln.lora.request import LoRARequest
+from kiln.lora.request import LoRAError, LoRARequest
 from kiln.models import ModelConfig, model_class
 
 
@@ -26,19 +26,28 @@ class AdapterRegistry:
         self._targets = lora_targets(model)
         self._checkpoint_name = model.checkpoint_name
         self.known: dict[int, LoRARequest] = {}
+        # Unloaded ids keep their meaning: KV cached under an id must never be served to
+        # another adapter that reuses it.
+        self.retired: dict[int, LoRARequest] = {}
         self.request_counts: Counter[str] = Counter()  # requests per adapter name
 
     def check(self, request: LoRARequest) -> None:
-        """Raise ValueError unless `request` names a usable adapter; checked once per id."""
-        known = self.known.get(request.lora_int_id)
-        if known is not None:
-            if known != request:
-                raise ValueError(f"lora_int_id {request.lora_int_id} already names adapter "
+        """Raise LoRAError unless `request` names a usable adapter; checked once per id
+        (again after an unload: the files may have changed)."""
+        lid = request.lora_int_id
+        known = self.known.get(lid) or self.retired.get(lid)
+        if known is not None and known != request:
+            raise LoRAError(f"lora_int_id {request.lora_int_id} already names adapter "
                                  f"{known.lora_name!r} at {known.lora_path}; give "
-                                 f"{request.lora_name!r} its own id")
+                            f"{request.lora_name!r} its own id")
+        if lid in self.known:
             return
         load_adapter(request, self._targets, self._checkpoint_name, self.cfg.max_lora_rank)
-        self.known[request.lora_int_id] = request
+        self.retired.pop(lid, None)
+        self.known[lid] = request
 
     def forget(self, lora_int_id: int) -> LoRARequest | None:
-        return self.known.pop(lora_int_id, None)
+        request = self.known.pop(lora_int_id, None)
+        if request is not None:
+            self.retired[lora_int_id] = request
+        return request

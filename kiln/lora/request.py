@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class LoRAError(ValueError):
+    """An adapter cannot be used: the request naming it fails alone."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
     """`lora_int_id` names the adapter everywhere inside the engine (slots, the CPU cache,

@@ -1,8 +1,10 @@
 """The FastAPI app: routes, error rendering, and the async engine's lifetime.
 
-Start-up order (the lifespan runs before uvicorn opens the port): the engine thread
-starts, then one tiny warm-up request runs through the whole path (add, step,
-detokenize, fan-out), so the port only opens once a request can be served.
+Start-up order: the `--lora-modules` adapters are checked (before the engine thread
+exists, so touching the engine directly is safe); then, in the lifespan, which runs
+before uvicorn opens the port, the engine thread starts and one tiny warm-up request runs
+through the whole path (add, step, detokenize, fan-out), so the port only opens once a
+request can be served.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -24,10 +26,15 @@ from kiln.engine.llm_engine import LLMEngine
 from kiln.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 from kiln.entrypoints.openai.guard import GuardMiddleware
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kiln.entrypoints.openai.models import ServedModels
+from kiln.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              LoadLoRAAdapterRequest,
+                                              UnloadLoRAAdapterRequest)
 from kiln.entrypoints.openai.serving import ServingContext
 from kiln.entrypoints.openai.serving_chat import create_chat_completion
 from kiln.entrypoints.openai.serving_completion import create_completion
+from kiln.entrypoints.openai.serving_lora import (load_lora_adapter, require_runtime_updates,
+                                                  unload_lora_adapter)
 from kiln.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +46,9 @@ class ServerSettings:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    model_root: str | None = None  # the base card's `root` (default: model_name)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) each
+    allow_runtime_lora_updating: bool = False
 
 
 async def _warmup(engine: AsyncLLMEngine) -> None:
@@ -64,10 +74,13 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
               on_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
     """`on_dead` runs (on the engine thread) when a step fails for good, e.g. a dead
     worker: `kiln serve` uses it to exit non-zero after a short grace period."""
-    metrics = ServerMetrics(lambda: async_engine.stats)
+    models = ServedModels(settings.model_name, settings.model_root or settings.model_name,
+                          engine.max_model_len)
+    _register_lora_modules(engine, models, settings.lora_modules)
+    lora_counts = None if engine.loras is None else lambda: async_engine.lora_request_counts
+    metrics = ServerMetrics(lambda: async_engine.stats, lora_counts)
     async_engine = AsyncLLMEngine(engine, observer=metrics, on_dead=on_dead)
     ctx = ServingContext(async_engine, settings.model_name)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -84,15 +97,6 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
                        max_body_bytes=settings.max_body_bytes)
     _add_error_handlers(app)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != settings.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                           f"'{settings.model_name}'", "model", "model_not_found")
-
-    def model_card() -> dict[str, Any]:
-        return {"id": settings.model_name, "object": "model", "created": created,
-                "owned_by": "kiln", "max_model_len": ctx.max_model_len}
-
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_running:
@@ -106,28 +110,60 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": models.cards()})
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> Response:
-        check_model(name)
-        return JSONResponse(model_card())
+        return JSONResponse(models.card(name))
 
+    # `model` picks the adapter (the base model's name, or none, runs without one).
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        check_model(req.model)
-        return await create_completion(ctx, req, request)
+        return await create_completion(ctx.for_adapter(models.resolve(req.model)), req,
+                                       request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        check_model(req.model)
-        return await create_chat_completion(ctx, req, request)
+        return await create_chat_completion(ctx.for_adapter(models.resolve(req.model)), req,
+                                            request)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> Response:
+        require_runtime_updates(settings.allow_runtime_lora_updating, request.url.path)
+        req = await _parse(request, LoadLoRAAdapterRequest)
+        return await load_lora_adapter(async_engine, models, req)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> Response:
+        require_runtime_updates(settings.allow_runtime_lora_updating, request.url.path)
+        req = await _parse(request, UnloadLoRAAdapterRequest)
+        return await unload_lora_adapter(async_engine, models, req)
 
     app.state.async_engine = async_engine
+    app.state.models = models
     app.state.metrics = metrics
     return app
+
+
+def _register_lora_modules(engine: LLMEngine, models: ServedModels,
+                           modules: tuple[tuple[str, str], ...]) -> None:
+    """Check every start-up adapter now: a bad one stops the server before it opens its
+    port. Runs before the engine thread starts, so calling the engine here is safe."""
+    if not modules:
+        return
+    loras = engine.loras
+    if loras is None:
+        raise ValueError("--lora-modules needs an engine with LoRA on (--enable-lora)")
+    for name, path in modules:
+        try:
+            lora = models.reserve(name, path)
+            loras.check(lora)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
+        models.commit(lora)
+        logger.info("LoRA adapter '%s' from %s (id %d)", name, path, lora.lora_int_id)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -4,7 +4,8 @@ Per-request numbers (finishes, tokens, TTFT, inter-token latency, end-to-end lat
 pushed by the engine thread through the `StatsObserver` methods. Scheduler numbers
 (running, waiting, KV usage, prefix-cache counters, preemptions) are read at scrape time
 from the snapshot the engine thread publishes after each step, so scraping never touches
-the engine itself.
+the engine itself; requests per LoRA adapter (`kiln:lora_requests_total{lora_name}`) come
+from a copy of the engine's counts published the same way.
 
 `kiln:kv_cache_usage_perc` counts blocks held by requests. Blocks kept only for prefix
 caching (reference count 0, evictable) are free, so once every request has finished the
@@ -54,11 +55,26 @@ class _SchedulerCollector(Collector):
                                   value=s.num_preemptions)
 
 
+class _LoRACollector(Collector):
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("kiln:lora_requests", "Engine requests (one per "
+                                     "prompt) per LoRA adapter since start.",
+                                     labels=["lora_name"])
+        for name, count in sorted(self._counts().items()):
+            family.add_metric([name], count)
+        yield family
+
+
 class ServerMetrics:
     """The server's registry; also the engine's `StatsObserver` (prometheus_client
-    metrics are thread-safe, so the engine thread may record directly)."""
+    metrics are thread-safe, so the engine thread may record directly). `lora_counts`:
+    requests per adapter name, for a server with LoRA."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(self, stats: Callable[[], SchedulerStats],
+                 lora_counts: Callable[[], dict[str, int]] | None = None) -> None:
         disable_created_metrics()  # process-wide; the *_created series only add noise
         self.registry = r = CollectorRegistry()
         self.finished = Counter("kiln:request_success", "Finished requests (per choice) by "
@@ -74,6 +90,8 @@ class ServerMetrics:
         self.e2e = Histogram("kiln:e2e_request_latency_seconds", "Arrival to finish.",
                              buckets=_E2E_BUCKETS, registry=r)
         r.register(_SchedulerCollector(stats))
+        if lora_counts is not None:
+            r.register(_LoRACollector(lora_counts))
 
     # StatsObserver
     def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:

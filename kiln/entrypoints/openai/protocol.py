@@ -91,3 +91,18 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's body; `lora_int_id` is accepted and must
+    match the adapter's id when given)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

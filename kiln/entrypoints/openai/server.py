@@ -13,6 +13,12 @@ from kiln.config import parse_bytes
 logger = logging.getLogger(__name__)
 DEAD_GRACE_S = 2.0  # how long /health says 503 before a server whose engine died exits
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what model=None (the embedded one) is
+# vLLM's switch for the runtime LoRA endpoints (kiln's own name works too).
+RUNTIME_LORA_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "KILN_ALLOW_RUNTIME_LORA_UPDATING")
+
+
+def _env_true(names: tuple[str, ...]) -> bool:
+    return any(os.environ.get(n, "").strip().lower() in ("1", "true") for n in names)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -31,10 +37,45 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_MODEL_NAME} for the embedded model)")
     p.add_argument("--max-request-body-bytes", default="1MiB",
                    help="larger request bodies get 413 (default 1MiB)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (turns LoRA on): NAME=PATH or JSON "
+                        "'{\"name\": \"x\", \"path\": \"/p\"}'; a request's `model` "
+                        "field picks one by NAME")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=_env_true(RUNTIME_LORA_ENV),
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(turns LoRA on); default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING=True. "
+                        "Any client with the API key can then make the server read a "
+                        "directory: local use only")
 
 
 def _model_name(args: argparse.Namespace) -> str:
     return args.served_model_name or args.model or DEFAULT_MODEL_NAME
+
+
+def _lora_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """Parse --lora-modules and turn LoRA on where an adapter may be served."""
+    from kiln.entrypoints.openai.models import parse_lora_module
+
+    modules = tuple(parse_lora_module(v) for v in args.lora_modules or ())
+    names = [name for name, _ in modules]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"--lora-modules names {duplicates} more than once: give each "
+                         "adapter its own name")
+    reasons = [flag for flag, on in (("--lora-modules", modules),
+                                     ("--allow-runtime-lora-updating",
+                                      args.allow_runtime_lora_updating)) if on]
+    args.enable_lora = args.enable_lora or bool(reasons)
+    if args.enable_lora:
+        logger.info("LoRA on (%s): max_loras=%d, max_lora_rank=%d",
+                    " and ".join(reasons) or "--enable-lora", args.max_loras,
+                    args.max_lora_rank)
+    if args.allow_runtime_lora_updating:
+        logger.warning("runtime LoRA updating is on: /v1/load_lora_adapter lets any client "
+                       "with the API key make this server read a directory; use it only "
+                       "locally")
+    return modules
 
 
 def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any]) -> int:
@@ -50,8 +91,10 @@ def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
     if not 0 < args.port < 65536:
         raise ValueError(f"port={args.port} must be in 1..65535")
     max_body = parse_bytes(args.max_request_body_bytes, "max_request_body_bytes")
-    for name in (__name__, "kiln.entrypoints.openai.app", "kiln.engine.llm_engine"):
+    for name in (__name__, "kiln.entrypoints.openai.app", "kiln.engine.llm_engine",
+                 "kiln.entrypoints.openai.serving_lora"):
         logging.getLogger(name).setLevel(logging.INFO)  # start-up stages are always shown
+    lora_modules = _lora_settings(args)
 
     import uvicorn
 
@@ -61,7 +104,10 @@ def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
     engine = make_llm(args).engine  # model load + compile (or compile-cache load)
     logger.info("start-up: engine %.1f s (model load and compile, -O%d)",
                 time.perf_counter() - start, args.optimization_level)
-    settings = ServerSettings(_model_name(args), args.api_key, max_body)
+    settings = ServerSettings(_model_name(args), args.api_key, max_body,
+                              model_root=args.model or DEFAULT_MODEL_NAME,
+                              lora_modules=lora_modules,
+                              allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     died: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -72,13 +118,15 @@ def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
         logger.error("the engine died (%s): exiting in %.0f s", exc, DEAD_GRACE_S)
         threading.Timer(DEAD_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
 
-    app = build_app(engine, settings, on_dead)
-    logger.info("serving '%s' on http://%s:%d once warm-up is done%s", settings.model_name,
-                args.host, args.port, "" if settings.api_key else " (no API key)")
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-        access_log=args.verbose, timeout_graceful_shutdown=5))
     try:
+        app = build_app(engine, settings, on_dead)  # a bad --lora-modules adapter fails here
+        logger.info("serving '%s' on http://%s:%d once warm-up is done%s",
+                    settings.model_name, args.host, args.port,
+                    "" if settings.api_key else " (no API key)")
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port,
+            log_level="info" if args.verbose else "warning", access_log=args.verbose,
+            timeout_graceful_shutdown=5))
         server.run()
     finally:
         engine.shutdown()  # the workers stop before the process exits, however it exits

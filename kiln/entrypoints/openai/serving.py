@@ -8,6 +8,7 @@ HTTP request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -21,6 +22,7 @@ from kiln.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStr
 from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.entrypoints.openai.errors import APIError, from_value_error
 from kiln.entrypoints.openai.params import sampling_fields
+from kiln.lora import LoRAError, LoRARequest
 from kiln.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -29,8 +31,18 @@ DISCONNECT_POLL_S = 0.2  # how fast a vanished non-streaming client is noticed
 
 @dataclass(slots=True)
 class ServingContext:
+    """What a handler needs: the engine, the model name responses carry, and the LoRA
+    adapter its requests run with (None: the base model)."""
+
     engine: AsyncLLMEngine
     model_name: str
+    lora_request: LoRARequest | None = None
+
+    def for_adapter(self, lora: LoRARequest | None) -> ServingContext:
+        """The context of one request that named `lora` (responses carry its name)."""
+        if lora is None:
+            return self
+        return dataclasses.replace(self, model_name=lora.lora_name, lora_request=lora)
 
     @property
     def tokenizer(self) -> Any:
@@ -50,7 +62,8 @@ async def start_requests(ctx: ServingContext, base_id: str, prompts: list[dict[s
     """Add one engine request per prompt; all or none (a rejected one aborts the rest).
     All adds are queued before any is awaited, so a batch costs one engine iteration."""
     results = await asyncio.gather(
-        *(ctx.engine.add_request(f"{base_id}-{i}", prompt, p)
+        *(ctx.engine.add_request(f"{base_id}-{i}", prompt, p,
+                                 lora_request=ctx.lora_request)
           for i, (prompt, p) in enumerate(zip(prompts, params))), return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -61,7 +74,9 @@ async def start_requests(ctx: ServingContext, base_id: str, prompts: list[dict[s
     if isinstance(exc, ValueError):
         # The engine's own checks: the prompt, or a token id in a sampling field.
         error = from_value_error(exc, sampling_fields())
-        error.param = error.param or param
+        # An adapter that failed (unloaded meanwhile, or broken since): the model's fault.
+        adapter = isinstance(exc, LoRAError)
+        error.param = error.param or ("model" if adapter else param)
         raise error from None
     if isinstance(exc, EngineDeadError):
         raise APIError(503, f"the engine is not available: {exc}") from None
