@@ -292,3 +292,16 @@ def test_quality_reports_perplexity_and_agreement(tmp_path):
     assert abs(rows["gguf"]["perplexity_vs_none"]) < 1e-3
     assert rows["gguf"]["greedy_identical"] == rows["gguf"]["greedy_prompts"] == 8
     assert abs(rows["int8"]["perplexity_vs_none"]) < 0.01
+
+
+def test_lora_overhead(tiny, tmp_path, capsys):
+    """`kiln bench lora`: the base engine, the LoRA engine on base requests and on requests
+    spread over random adapters it writes itself (valid PEFT directories: a bad one would
+    fail its requests), interleaved."""
+    r = bench(tmp_path, "lora", "--model", tiny, "-O0", "--num-prompts", "4", "--input-len",
+              "8", "--output-len", "4", "--num-adapters", "2", "--rank", "4", "--repeats", "2")
+    assert r["mode"] == "lora" and r["config"]["num_adapters"] == 2
+    assert set(r["runs"]) == {"base", "lora-base", "lora-mixed"}
+    assert all(len(v) == 2 and min(v) > 0 for v in r["runs"].values())
+    assert set(r["overhead"]) == {"lora-base", "lora-mixed"}
+    assert "overhead vs base" in capsys.readouterr().out

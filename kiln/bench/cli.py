@@ -1,4 +1,5 @@
-"""`kiln bench latency | throughput | serve | compile | kernels`: arguments and dispatch.
+"""`kiln bench latency | throughput | serve | compile | kernels | quality | lora`: arguments
+and dispatch.
 
 Every mode prints a table, writes its result as JSON with `--json PATH` (schemas in each
 mode's module docstring) and PNG charts into `--plot DIR`.
@@ -86,6 +87,7 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     qual.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     lora = modes.add_parser("lora", help="N requests over several random adapters vs the "
                             "base model (with and without LoRA on), interleaved")
+    engine_args(lora)
     lora.add_argument("--num-prompts", type=int, default=32)
     lora.add_argument("--input-len", type=int, default=128)
     lora.add_argument("--output-len", type=int, default=64)
