@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.lora.ops import lora_apply
-from test_lora_triton import make_case
+from test_lora_triton import compare, make_case
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -23,18 +23,7 @@ def cuda(args: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 
 def check(out: torch.Tensor, args: tuple[torch.Tensor, ...]) -> None:
     """`out` (on CUDA) against the op on the CPU copies `args`, in their dtype and in fp32."""
-    y, x, a, b, scaling, indices = args
-    out = out.cpu()
-    assert out.shape == y.shape and out.dtype == y.dtype
-    ref = lora_apply(*args)
-    if y.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=3e-2)
-        ref32 = lora_apply(*(t.float() for t in args[:4]), scaling, indices)
-        torch.testing.assert_close(out.float(), ref32, rtol=HALF_ULP[y.dtype], atol=1e-4)
-    base = indices[:x.shape[0]] < 0
-    assert torch.equal(out[base], y[base])  # no adapter: y bit for bit
+    compare(out.cpu(), args, half_rtol=HALF_ULP.get(args[0].dtype, 0.0), fp32_tol=1e-4)
 
 
 def test_the_op_dispatches_to_triton_on_cuda():
