@@ -1,7 +1,8 @@
 """Engine side: check each adapter once, before any request that names it is scheduled.
 
 A bad adapter (missing file, rank over the limit, a module the model lacks, shapes of
-another model) fails its own request with a `ValueError`, and the workers never see it.
+another model) fails its own request with a `LoRAError` (a `ValueError`), and the workers
+never see it.
 The check runs against the model's structure built on the `meta` device (no memory),
 so it needs no worker and sees the checkpoint's full shapes.
 """
@@ -37,9 +38,8 @@ class AdapterRegistry:
         lid = request.lora_int_id
         known = self.known.get(lid) or self.retired.get(lid)
         if known is not None and known != request:
-            raise LoRAError(f"lora_int_id {request.lora_int_id} already names adapter "
-                                 f"{known.lora_name!r} at {known.lora_path}; give "
-                            f"{request.lora_name!r} its own id")
+            raise LoRAError(f"lora_int_id {lid} already names adapter {known.lora_name!r} "
+                            f"at {known.lora_path}; give {request.lora_name!r} its own id")
         if lid in self.known:
             return
         load_adapter(request, self._targets, self._checkpoint_name, self.cfg.max_lora_rank)
