@@ -1,7 +1,8 @@
 """`kiln bench lora`: what serving many adapters costs, side by side in one process.
 
-Three runs of the same offline workload (N requests of fixed lengths, EOS ignored),
-interleaved `--repeats` times so the host's drift hits each alike:
+Three runs of the same offline workload (N requests of fixed lengths, EOS ignored), each
+warmed once at full size, then interleaved `--repeats` times so the host's drift hits
+each alike:
   base        an engine without LoRA, the base model
   lora-base   an engine with LoRA on (slots for --num-adapters), every request the base
   lora-mixed  the same engine, the requests spread over --num-adapters random adapters
@@ -64,8 +65,10 @@ def run_lora(make: Callable[[bool], Any], num_prompts: int, input_len: int,
     adapters = [LoRARequest(f"bench-{i}", i + 1, str(write_random_adapter(
         lora.engine.model_config, tmp / f"a{i}", rank, seed=i))) for i in range(num_adapters)]
     cases = {"base": (base, None), "lora-base": (lora, None), "lora-mixed": (lora, adapters)}
-    for llm, loras in cases.values():  # warm: compiled sizes, adapters in their slots
-        run_throughput(llm, min(num_prompts, 4), input_len, 4, lora_requests=loras)
+    # Warm-up at full size: the first full batch of a process runs at about half speed
+    # (allocator growth, first touches of the KV cache), which would bias the first case.
+    for llm, loras in cases.values():
+        run_throughput(llm, num_prompts, input_len, output_len, lora_requests=loras)
     runs: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, (llm, loras) in cases.items():
