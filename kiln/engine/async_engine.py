@@ -281,10 +281,7 @@ class AsyncLLMEngine:
 
     def _add_lora(self, cmd: _AddLoRA) -> None:
         try:
-            if self.engine.loras is None:
-                raise ValueError("this engine runs without LoRA: start it with "
-                                 "enable_lora=True (--enable-lora)")
-            self.engine.loras.check(cmd.lora_request)
+            self.engine.add_lora(cmd.lora_request)
         except ValueError as exc:
             self._call(_resolve, cmd.done, exc)
             return

@@ -82,7 +82,8 @@ class LLMEngine:
         self.scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, policy=policy,
-                                   max_loras=config.max_loras if self.lora_config else 0)
+                                   max_loras=self.lora_config.max_loras if self.lora_config
+                                   else 0)
         self._last_stats_log = time.monotonic()
         self.output_processor = OutputProcessor(self.tokenizer, token_namer(self.tokenizer))
         self.load_time_s = time.perf_counter() - start
@@ -122,7 +123,8 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids)
         self._validate_token_ids(params)
-        self._validate_lora(lora_request)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         taken = [rid for rid in sample_ids(request_id, params.n)
                  if rid in self.scheduler.requests]
@@ -158,9 +160,9 @@ class LLMEngine:
                 raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab})")
 
-    def _validate_lora(self, lora_request: LoRARequest | None) -> None:
-        if lora_request is None:
-            return
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check and register an adapter (once per id; requests naming it check it too).
+        Raises LoRAError for a bad adapter, or when the engine runs without LoRA."""
         if not isinstance(lora_request, LoRARequest):
             raise LoRAError(f"lora_request must be a kiln.LoRARequest, got "
                              f"{type(lora_request).__name__}")

@@ -168,7 +168,7 @@ def _checked_llm(args: argparse.Namespace, lora: LoRARequest | None) -> Any:
     not an error line per prompt."""
     llm = _make_llm(args)
     if lora is not None:
-        llm.engine.loras.check(lora)
+        llm.engine.add_lora(lora)
     return llm
 
 

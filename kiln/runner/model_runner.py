@@ -109,6 +109,9 @@ class ModelRunner:
         # Before tracing: the slots are graph inputs, written in place from then on.
         self.lora = None if lora is None else LoRAManager(
             self.model, lora, self.lora_indices.device, dtype)
+        # Copied to the device every step (the LoRA indices only when a graph reads them).
+        self._step_buffers = (self.input_ids, self.positions, self.slot_mapping,
+                              self.is_padding) + ((self.lora_indices,) if self.lora else ())
         # Resolved before compiling: a compile size that padding would skip fails fast.
         self.dispatcher = resolve_dispatcher(compilation, backend_cls, limits.max_num_seqs)
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
@@ -263,7 +266,8 @@ class ModelRunner:
             self.input_ids.np[offset: offset + n] = state.token_ids[start:end]
             pos = self._arange[start:end]
             self.positions.np[offset: offset + n] = pos
-            self.lora_indices.np[offset: offset + n] = slots[i]
+            if slots is not None:
+                self.lora_indices.np[offset: offset + n] = slots[i]
             table[i, : len(state.block_ids)] = state.block_ids
             self.slot_mapping.np[offset: offset + n] = table[i, pos // bs] * bs + pos % bs
             offset += n
@@ -278,7 +282,8 @@ class ModelRunner:
         self.input_ids.np[offset:padded] = 0
         self.positions.np[offset:padded] = 0
         self.slot_mapping.np[offset:padded] = -1
-        self.lora_indices.np[offset:padded] = -1
+        if slots is not None:
+            self.lora_indices.np[offset:padded] = -1
         self.is_padding.np[:offset] = False
         self.is_padding.np[offset:padded] = True
         if mode is CUDAGraphMode.FULL:
@@ -296,11 +301,12 @@ class ModelRunner:
         return (self.attn_backend_cls.build_metadata(common), indices, sample_ids, mode,
                 desc)
 
-    def _lora_slots(self, req_ids: list[str]) -> list[int]:
-        """Each request's LoRA slot (-1: none), after making its adapter resident."""
-        loras = [self.requests[rid].lora_request for rid in req_ids]
+    def _lora_slots(self, req_ids: list[str]) -> list[int] | None:
+        """Each request's LoRA slot (-1: none), after making its adapter resident; None
+        without LoRA (no graph reads the indices then: nothing to fill)."""
         if self.lora is None:
-            return [-1] * len(req_ids)
+            return None
+        loras = [self.requests[rid].lora_request for rid in req_ids]
         slot_of = self.lora.activate(r for r in loras if r is not None)
         return [-1 if r is None else slot_of[r.lora_int_id] for r in loras]
 
@@ -308,8 +314,7 @@ class ModelRunner:
                         max_query_len: int) -> AttentionMetadata:
         """Common metadata as slices of the persistent buffers (fixed addresses: a FULL
         graph reads them on replay). `slot_mapping` covers the padded rows."""
-        for buf in (self.input_ids, self.positions, self.slot_mapping, self.is_padding,
-                    self.lora_indices):
+        for buf in self._step_buffers:
             buf.copy_to_device(num_padded)
         seq_lens = self.seq_lens.np
         return AttentionMetadata(

@@ -153,13 +153,10 @@ def _register_lora_modules(engine: LLMEngine, models: ServedModels,
     port. Runs before the engine thread starts, so calling the engine here is safe."""
     if not modules:
         return
-    loras = engine.loras
-    if loras is None:
-        raise ValueError("--lora-modules needs an engine with LoRA on (--enable-lora)")
     for name, path in modules:
         try:
             lora = models.reserve(name, path)
-            loras.check(lora)
+            engine.add_lora(lora)
         except ValueError as exc:
             raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
         models.commit(lora)
