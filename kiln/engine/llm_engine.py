@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from kiln.runner import RunnerLimits
 from kiln.sampling import SamplingParams
 from kiln.scheduler import (BlockHasher, KVCacheManager, Scheduler, SchedulerPolicy,
                             SchedulerStats)
+
+if TYPE_CHECKING:  # imported on first use: xgrammar loads only when a constraint comes
+    from kiln.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +126,7 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids)
         self._validate_token_ids(params)
+        structured = self._structured_outputs(params)
         if lora_request is not None:
             self.add_lora(lora_request)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
@@ -131,10 +135,11 @@ class LLMEngine:
         if taken:  # e.g. user id "0_x" next to an n>1 request "x": nothing is added
             raise ValueError(f"request id(s) {taken} are already in use")
         for rid, child in self.output_processor.add(request_id, text, ids, params):
-            self.scheduler.add_request(Request(rid, ids, child, eos, priority=priority,
-                                               cache_salt=cache_salt,
-                                               lora_request=lora_request,
-                                               block_hasher=self._hasher))
+            request = Request(rid, ids, child, eos, priority=priority, cache_salt=cache_salt,
+                              lora_request=lora_request, block_hasher=self._hasher)
+            if structured is not None:  # each sample walks the grammar on its own
+                request.structured = structured.new_request(params.structured_outputs)
+            self.scheduler.add_request(request)
         if lora_request is not None:
             self.loras.request_counts[lora_request.lora_name] += 1
 
@@ -159,6 +164,21 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab})")
+
+    def _structured_outputs(self, params: SamplingParams) -> StructuredOutputManager | None:
+        """The manager for a constrained request (made on first use: engines that never
+        see a constraint never load xgrammar), after the constraint parsed."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer, and this model "
+                             "has none")
+        from kiln.structured_output.manager import StructuredOutputManager
+        StructuredOutputManager.validate(params.structured_outputs)
+        if self.scheduler.structured is None:
+            self.scheduler.structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        return self.scheduler.structured
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Check and register an adapter (once per id; requests naming it check it too).
@@ -213,6 +233,7 @@ class LLMEngine:
         runner_out = self.executor.execute(so)
         self._maybe_log_stats()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
+        core_outputs += self.scheduler.take_errors()  # failed alone while scheduling
         outputs, stopped = self.output_processor.process(core_outputs, runner_out)
         if stopped:  # finished by a stop string: free their blocks now
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from kiln.lora import LoRARequest
     from kiln.sampling.params import SamplingParams
+    from kiln.structured_output.manager import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -17,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # failed alone (e.g. its grammar did not compile)
 
     @property
     def is_finished(self) -> bool:
@@ -29,7 +31,8 @@ class RequestStatus(enum.Enum):
 
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop",
                    RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}
+                   RequestStatus.FINISHED_ABORTED: "abort",
+                   RequestStatus.FINISHED_ERROR: "error"}
 
 
 class Request:
@@ -39,7 +42,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "arrival_time", "output_token_ids", "all_token_ids", "num_computed_tokens",
                  "status", "stop_reason", "num_preemptions", "priority", "cache_salt",
-                 "block_hashes", "_block_hasher", "lora_request")
+                 "block_hashes", "_block_hasher", "lora_request", "structured")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
@@ -61,6 +64,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # its adapter's KV is its own (prefix-cache key)
         self.block_hashes: list[bytes] = []  # one per full block of known tokens
+        self.structured: StructuredOutputRequest | None = None  # its grammar, if any
         self._block_hasher = block_hasher
         if block_hasher is not None:
             block_hasher(self)

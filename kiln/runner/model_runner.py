@@ -40,6 +40,7 @@ from kiln.runner.cudagraphs import graph_factory, resolve_dispatcher, wrap_full,
 from kiln.runner.kv_cache import allocate_kv_cache, num_blocks_for
 from kiln.runner.prompt_logprobs import compute_prompt_logprobs
 from kiln.sampling import Sampler, SamplingMetadata, SamplingParams
+from kiln.sampling.metadata import grammar_rows
 from kiln.scheduler import FullAttentionSpec, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids, [])
         sampled: dict[str, list[int]] = {}
         if sample_ids:
-            sampled = self._sample(hidden[logits_indices], sample_ids, out)
+            sampled = self._sample(hidden[logits_indices], sample_ids, out, so)
         out.sampled_token_ids = [sampled.get(rid, []) for rid in req_ids]
         out.prompt_logprobs = compute_prompt_logprobs(
             self.model.compute_logits, hidden, [self.requests[rid] for rid in req_ids],
@@ -329,11 +330,14 @@ class ModelRunner:
             block_size=self.limits.block_size)
 
     def _sample(self, hidden: torch.Tensor, sample_ids: list[str],
-                out: ModelRunnerOutput) -> dict[str, list[int]]:
+                out: ModelRunnerOutput, so: SchedulerOutput) -> dict[str, list[int]]:
         """Sample one token per row, append it to the request's state and put its logprobs
         (when asked) into `out`. One host transfer for the tokens, one for the logprobs."""
         states = [self.requests[rid] for rid in sample_ids]
         md = SamplingMetadata.build(states, self.device, self.config.vocab_size)
+        if so.grammar_bitmask is not None:
+            md.grammar = grammar_rows(sample_ids, so.structured_output_request_ids,
+                                      so.grammar_bitmask, self.device)
         logits = self.model.compute_logits(hidden)  # [R, vocab]
         result = self.sampler(logits, md)
         # Every rank samples the same gathered logits; rank 0's tokens are made everyone's

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 from kiln.sampling.params import SamplingParams
@@ -43,6 +44,14 @@ class SparseLogits:
 
 
 @dataclass(slots=True)
+class GrammarMask:
+    """Structured output: the constrained rows and their packed allowed-token bits."""
+
+    rows: torch.Tensor  # [G] int64 sampling rows
+    bitmask: torch.Tensor  # [G, ceil(V/32)] int32
+
+
+@dataclass(slots=True)
 class SamplingMetadata:
     temperature: torch.Tensor  # [R] float32; rows < eps are greedy
     all_greedy: bool
@@ -58,6 +67,7 @@ class SamplingMetadata:
     penalties: Penalties | None = None
     logit_bias: SparseLogits | None = None
     min_tokens_mask: SparseLogits | None = None  # stop tokens banned until min_tokens
+    grammar: GrammarMask | None = None  # structured output, applied before anything else
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], device: torch.device,
@@ -130,3 +140,14 @@ def _sparse(entries: list[tuple[int, int, float]], device: torch.device
     return SparseLogits(torch.tensor(rows, dtype=torch.int64, device=device),
                         torch.tensor(tokens, dtype=torch.int64, device=device),
                         _floats(list(values), device))
+
+
+def grammar_rows(sample_ids: list[str], rows_of: dict[str, int], bitmask: np.ndarray,
+                 device: torch.device) -> GrammarMask | None:
+    """Match the scheduler's bitmask rows (by request id) to this step's sampling rows."""
+    pairs = [(i, rows_of[rid]) for i, rid in enumerate(sample_ids) if rid in rows_of]
+    if not pairs:
+        return None
+    rows, src = zip(*pairs)
+    return GrammarMask(torch.tensor(rows, dtype=torch.int64, device=device),
+                       torch.from_numpy(bitmask[list(src)]).to(device))

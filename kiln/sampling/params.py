@@ -9,6 +9,8 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
+from kiln.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (and never divide)
 MAX_LOGPROBS = 20  # the most top alternatives a request may ask for per position
 
@@ -43,6 +45,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # JSON / regex / choice / EBNF
 
     def __post_init__(self) -> None:
         _check_int(self, "n", low=1)
@@ -70,6 +73,11 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind={self.output_kind!r} must be a RequestOutputKind")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict "
+                             f"of its fields), got {type(self.structured_outputs).__name__}")
 
     @property
     def is_greedy(self) -> bool:

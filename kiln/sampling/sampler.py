@@ -1,7 +1,8 @@
 """Sampler: logits [R, V] -> token ids [R] (and logprobs), all rows in one batch.
 
 The order is vLLM v1's, and order is semantics:
-  raw logprobs snapshot -> float32 -> logit bias / min_tokens bans (they change the argmax,
+  grammar bitmask (structured output: as vLLM, before the sampler, so logprobs are those
+  of the constrained distribution) -> raw logprobs snapshot -> float32 -> logit bias / min_tokens bans (they change the argmax,
   so they come before greedy) -> penalties -> greedy result -> temperature -> min_p ->
   top-k/top-p -> sample -> greedy rows keep the greedy token.
 Penalties come before temperature so a penalty means the same at every temperature.
@@ -19,6 +20,7 @@ from kiln.ops import cpu_kernels
 from kiln.sampling.logprobs import LogprobsTensors, gather_logprobs
 from kiln.sampling.metadata import Penalties, SamplingMetadata
 from kiln.sampling.params import _GREEDY_EPS
+from kiln.structured_output.apply import apply_bitmask
 
 
 @dataclass(slots=True)
@@ -29,6 +31,8 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if md.grammar is not None:
+            logits = apply_bitmask(logits, md.grammar.rows, md.grammar.bitmask)
         fast = _fused_greedy(logits, md)
         if fast is not None:
             return SamplerOutput(fast, None)

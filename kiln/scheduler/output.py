@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kiln.lora.request import LoRARequest
 from kiln.sampling.logprobs import LogprobsLists
 from kiln.sampling.params import SamplingParams
@@ -42,6 +44,10 @@ class SchedulerOutput:
     # Requests the runner must drop before this step (finished, aborted or preempted).
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured output: [rows, ceil(V/32)] int32 allowed-token bits, and the row of each
+    # constrained request that samples this step (None / empty without any).
+    grammar_bitmask: np.ndarray | None = None
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

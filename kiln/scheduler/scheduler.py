@@ -12,11 +12,16 @@ import bisect
 import logging
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from kiln.engine.request import Request, RequestStatus
 from kiln.scheduler.block_pool import KVCacheBlock
 from kiln.scheduler.kv_cache_manager import KVCacheManager
 from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
+
+if TYPE_CHECKING:  # xgrammar is imported only by engines that serve a constraint
+    from kiln.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +60,16 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 policy: SchedulerPolicy | None = None, max_loras: int = 0) -> None:
+                 policy: SchedulerPolicy | None = None, max_loras: int = 0,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy or SchedulerPolicy()
         self.max_loras = max_loras  # distinct adapters per step (the runner's slots)
+        self.structured = structured  # set by the engine on the first constrained request
+        self.errors: dict[str, str] = {}  # req_id -> why it failed alone (taken by the engine)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # in admission order for the policy
         self.running: list[Request] = []
@@ -110,6 +118,11 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, s.queries,
                               s.hits, self.num_preemptions)
 
+    def take_errors(self) -> list[EngineCoreOutput]:
+        """Requests that failed alone since the last call, as final outputs."""
+        errors, self.errors = self.errors, {}
+        return [EngineCoreOutput(rid, [], "error", msg) for rid, msg in errors.items()]
+
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         self._finished_ids.add(request.request_id)
@@ -141,7 +154,19 @@ class Scheduler:
         self._finished_ids = set()
         for rid, n in step.scheduled.items():  # progress is booked when scheduled
             self.requests[rid].num_computed_tokens += n
+        self._grammar_bitmask(out)
         return out
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """One bitmask row per constrained request that samples this step."""
+        if self.structured is None:
+            return
+        rows = [self.requests[rid] for rid in out.num_scheduled_tokens]
+        rows = [r for r in rows if r.structured is not None
+                and r.num_computed_tokens >= r.num_tokens]
+        if rows:
+            out.grammar_bitmask = self.structured.bitmask([r.structured for r in rows])
+            out.structured_output_request_ids = {r.request_id: i for i, r in enumerate(rows)}
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admit in policy order while budget, sequences and blocks last. A request whose
@@ -151,6 +176,8 @@ class Scheduler:
         for request in list(self.waiting):
             if step.budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
+            if not self._grammar_ready(request):
+                continue  # still compiling (or just failed): the rest may run meanwhile
             lid = request.lora_int_id
             if lid and lid not in adapters and len(adapters) >= self.max_loras:
                 continue
@@ -158,6 +185,15 @@ class Scheduler:
                 return
             if lid:
                 adapters.add(lid)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        so = request.structured
+        if so is None or self.structured is None or self.structured.is_ready(so):
+            return True
+        if so.error is not None:
+            self.errors[request.request_id] = so.error
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        return False
 
     def _chunk(self, num_new: int, step: _Step) -> int:
         threshold = self.policy.long_prefill_token_threshold
@@ -246,6 +282,8 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_ids.append(token_id)
+                if request.structured is not None:
+                    request.structured.accept(token_id)
                 if self._check_stop(request):
                     break
             outputs.append(EngineCoreOutput(rid, new_ids, request.status.finish_reason,

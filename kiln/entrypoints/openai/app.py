@@ -49,6 +49,7 @@ class ServerSettings:
     model_root: str | None = None  # the base card's `root` (default: model_name)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) each
     allow_runtime_lora_updating: bool = False
+    tool_call_parser: str = "hermes"
 
 
 async def _warmup(engine: AsyncLLMEngine) -> None:
@@ -80,7 +81,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
     lora_counts = None if engine.loras is None else lambda: async_engine.lora_request_counts
     metrics = ServerMetrics(lambda: async_engine.stats, lora_counts)
     async_engine = AsyncLLMEngine(engine, observer=metrics, on_dead=on_dead)
-    ctx = ServingContext(async_engine, settings.model_name)
+    ctx = ServingContext(async_engine, settings.model_name,
+                         tool_parser=settings.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

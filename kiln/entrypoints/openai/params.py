@@ -14,6 +14,7 @@ from typing import Any
 from kiln.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kiln.sampling import SamplingParams
+from kiln.structured_output import StructuredOutputsParams
 
 # Values that leave sampling unchanged: sending them needs no support from the engine.
 _NEUTRAL: dict[str, Any] = {"n": 1, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
@@ -38,7 +39,10 @@ def supports(field_name: str) -> bool:
 
 
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
-                       max_model_len: int) -> SamplingParams:
+                       max_model_len: int,
+                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """`structured`: a constraint the endpoint made itself (tool calls); else the
+    request's own `response_format` / `structured_outputs`, if any."""
     chat = isinstance(req, ChatCompletionRequest)
     max_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None \
         else "max_tokens"
@@ -53,6 +57,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
     logprobs = _logprobs(req)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    kwargs["structured_outputs"] = structured or structured_outputs(req)
     kwargs["max_tokens"] = _max_tokens(getattr(req, max_name), max_name, prompt_len,
                                        max_model_len)
     for name in list(kwargs):
@@ -102,3 +107,39 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
                               "logit_bias") from None
     return out
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest
+                       ) -> StructuredOutputsParams | None:
+    """The request's constraint from `response_format` or vLLM's `structured_outputs`
+    (not both), parsed now: a bad schema, regex or grammar is a 400 naming its field."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text" and req.structured_outputs is not None:
+        raise bad_request("give response_format or structured_outputs, not both",
+                          "structured_outputs")
+    if req.structured_outputs is not None:
+        return _checked(lambda: StructuredOutputsParams(**req.structured_outputs),
+                        "structured_outputs")
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return _checked(lambda: StructuredOutputsParams(json_object=True), "response_format")
+    schema = (fmt.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("response_format json_schema needs json_schema.schema, a JSON "
+                          "schema object", "response_format.json_schema.schema")
+    return _checked(lambda: StructuredOutputsParams(json=schema),
+                    "response_format.json_schema.schema")
+
+
+def _checked(make: Any, param: str) -> StructuredOutputsParams:
+    from kiln.structured_output.backend import grammar_for
+    try:
+        params = make()
+        grammar_for(params)
+    except (ValueError, TypeError) as exc:  # TypeError: an unknown key in the dict
+        message = str(exc).replace("StructuredOutputsParams.__init__()", "structured_outputs")
+        if not message.startswith(param):
+            message = f"{param}: {message}"
+        raise bad_request(message, param) from None
+    return params

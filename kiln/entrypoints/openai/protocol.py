@@ -22,6 +22,11 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
+
+
 class _SamplingFields(_Strict):
     """The sampling fields both endpoints share (OpenAI's plus vLLM's extras)."""
 
@@ -44,6 +49,9 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extra: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}.
+    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     # Accepted and ignored: bookkeeping with no effect on generation.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -75,18 +83,12 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     max_tokens: int | None = None  # deprecated by OpenAI; max_completion_tokens wins
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

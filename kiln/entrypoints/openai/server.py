@@ -47,6 +47,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(turns LoRA on); default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING=True. "
                         "Any client with the API key can then make the server read a "
                         "directory: local use only")
+    p.add_argument("--tool-call-parser", default="hermes",
+                   help="how tool_choice='auto' finds the model's tool calls in its text "
+                        "(default hermes: <tool_call>{...}</tool_call>)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: kiln always serves "
+                        "tool_choice='auto' with --tool-call-parser")
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -95,6 +101,8 @@ def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
                  "kiln.entrypoints.openai.serving_lora"):
         logging.getLogger(name).setLevel(logging.INFO)  # start-up stages are always shown
     lora_modules = _lora_settings(args)
+    from kiln.entrypoints.openai.tool_parsers import make_tool_parser
+    make_tool_parser(args.tool_call_parser)  # an unknown name fails before the model loads
 
     import uvicorn
 
@@ -107,7 +115,8 @@ def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
     settings = ServerSettings(_model_name(args), args.api_key, max_body,
                               model_root=args.model or DEFAULT_MODEL_NAME,
                               lora_modules=lora_modules,
-                              allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                              allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                              tool_call_parser=args.tool_call_parser)
     died: list[BaseException] = []
     server: uvicorn.Server | None = None
 

@@ -37,6 +37,7 @@ class ServingContext:
     engine: AsyncLLMEngine
     model_name: str
     lora_request: LoRARequest | None = None
+    tool_parser: str = "hermes"  # how `tool_choice="auto"` finds the model's tool calls
 
     def for_adapter(self, lora: LoRARequest | None) -> ServingContext:
         """The context of one request that named `lora` (responses carry its name)."""

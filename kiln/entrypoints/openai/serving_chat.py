@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the model's chat template turns the messages into one prompt;
-`n` choices come back as assistant messages (or `chat.completion.chunk` deltas)."""
+`n` choices come back as assistant messages (or `chat.completion.chunk` deltas), with
+tool calls taken out of them as the request's `tools` and `tool_choice` say."""
 from __future__ import annotations
 
 from typing import Any, AsyncIterator
@@ -11,9 +12,12 @@ from starlette.responses import JSONResponse, Response
 from kiln.engine.async_engine import EngineDeadError, RequestStream
 from kiln.entrypoints.openai import serving as sv
 from kiln.entrypoints.openai.errors import bad_request
+from kiln.entrypoints.openai.chat_output import ChoiceOutput
 from kiln.entrypoints.openai.logprobs import chat_logprobs
 from kiln.entrypoints.openai.params import to_sampling_params
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kiln.entrypoints.openai.tools import (ToolPlan, plan_tools, render_messages,
+                                           template_knows_tools)
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -24,13 +28,17 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     return {**(m.model_extra or {}), "role": role, "content": content or ""}
 
 
-def apply_chat_template(tokenizer: Any, req: ChatCompletionRequest) -> dict[str, Any]:
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+def apply_chat_template(tokenizer: Any, req: ChatCompletionRequest,
+                        plan: ToolPlan) -> dict[str, Any]:
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if not template:
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
+    native = template_knows_tools(template)
+    messages = render_messages([_message(m) for m in req.messages], plan, native)
     try:
         text = tokenizer.apply_chat_template(
-            [_message(m) for m in req.messages], tokenize=False,
-            add_generation_prompt=req.add_generation_prompt)
+            messages, tools=[t for t in plan.tools] if native and plan.tools else None,
+            tokenize=False, add_generation_prompt=req.add_generation_prompt)
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}",
                           "messages") from None
@@ -39,26 +47,29 @@ def apply_chat_template(tokenizer: Any, req: ChatCompletionRequest) -> dict[str,
                                                                  add_special_tokens=False)}
 
 
-def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice is not supported", "tool_choice")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported",
-                          "response_format")
+def _plan(req: ChatCompletionRequest) -> ToolPlan:
+    plan = plan_tools(req)
+    own = req.structured_outputs is not None or (
+        req.response_format is not None and req.response_format.type != "text")
+    if own and plan.active and plan.choice != "auto":
+        raise bad_request(f"tool_choice={plan.choice!r} constrains the output itself: drop "
+                          "response_format / structured_outputs, or use tool_choice "
+                          "'auto'", "tool_choice")
+    return plan
 
 
 async def create_chat_completion(ctx: sv.ServingContext, req: ChatCompletionRequest,
                                  request: Request) -> Response:
-    _check_unsupported(req)
-    prompt = apply_chat_template(ctx.tokenizer, req)
-    params = to_sampling_params(req, len(prompt["prompt_token_ids"]), ctx.max_model_len)
+    plan = _plan(req)
+    prompt = apply_chat_template(ctx.tokenizer, req, plan)
+    params = to_sampling_params(req, len(prompt["prompt_token_ids"]), ctx.max_model_len,
+                                plan.constraint() if plan.active else None)
     rid = sv.new_id("chatcmpl")
     streams = await sv.start_requests(ctx, rid, [prompt], [params], "messages")
     if req.stream:
-        return sv.AbortingStreamingResponse(_stream(ctx, req, rid, streams, prompt), streams)
-    return await sv.until_disconnected(_full(ctx, req, rid, streams, prompt), request,
+        return sv.AbortingStreamingResponse(_stream(ctx, req, rid, streams, prompt, plan),
+                                            streams)
+    return await sv.until_disconnected(_full(ctx, req, rid, streams, prompt, plan), request,
                                        streams)
 
 
@@ -70,7 +81,8 @@ def _logprobs(ctx: sv.ServingContext, req: ChatCompletionRequest, token_ids: lis
 
 
 async def _full(ctx: sv.ServingContext, req: ChatCompletionRequest, rid: str,
-                streams: list[RequestStream], prompt: dict[str, Any]) -> Response:
+                streams: list[RequestStream], prompt: dict[str, Any],
+                plan: ToolPlan) -> Response:
     choices: dict[int, sv.Choice] = {}
     try:
         async for _, out in sv.merge(streams):
@@ -78,10 +90,13 @@ async def _full(ctx: sv.ServingContext, req: ChatCompletionRequest, rid: str,
                 choices.setdefault(c.index, sv.Choice()).add(c)
     except EngineDeadError as exc:
         return sv.engine_error(exc).response()
-    body = [{"index": i, "message": {"role": "assistant", "content": "".join(ch.text)},
-             "logprobs": _logprobs(ctx, req, ch.token_ids, ch.logprobs),
-             "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
-            for i, ch in sorted(choices.items())]
+    body = []
+    for i, ch in sorted(choices.items()):
+        message, finish = ChoiceOutput(plan, ctx.tool_parser).message("".join(ch.text),
+                                                                      ch.finish_reason)
+        body.append({"index": i, "message": message,
+                     "logprobs": _logprobs(ctx, req, ch.token_ids, ch.logprobs),
+                     "finish_reason": finish, "stop_reason": ch.stop_reason})
     completion_tokens = sum(len(ch.token_ids) for ch in choices.values())
     return JSONResponse({"id": rid, "object": "chat.completion", "created": sv.now(),
                          "model": ctx.model_name, "choices": body,
@@ -90,7 +105,7 @@ async def _full(ctx: sv.ServingContext, req: ChatCompletionRequest, rid: str,
 
 
 async def _stream(ctx: sv.ServingContext, req: ChatCompletionRequest, rid: str,
-                  streams: list[RequestStream], prompt: dict[str, Any]
+                  streams: list[RequestStream], prompt: dict[str, Any], plan: ToolPlan
                   ) -> AsyncIterator[str]:
     header = {"id": rid, "object": "chat.completion.chunk", "created": sv.now(),
               "model": ctx.model_name}
@@ -107,13 +122,15 @@ async def _stream(ctx: sv.ServingContext, req: ChatCompletionRequest, rid: str,
     for index in range(req.n):
         yield chunk(index, {"role": "assistant", "content": ""})
     completion_tokens = 0
+    shapers = [ChoiceOutput(plan, ctx.tool_parser) for _ in range(req.n)]
     try:
         async for _, out in sv.merge(streams):
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-                yield chunk(c.index, delta, _logprobs(ctx, req, c.token_ids, c.logprobs),
-                            c.finish_reason, c.stop_reason)
+                delta, finish = shapers[c.index].delta(c.text, c.finish_reason)
+                logprobs = _logprobs(ctx, req, c.token_ids, c.logprobs)
+                if delta or finish is not None or logprobs is not None:
+                    yield chunk(c.index, delta, logprobs, finish, c.stop_reason)
     except EngineDeadError as exc:
         yield sv.sse(sv.engine_error(exc).body())
     if include_usage:
