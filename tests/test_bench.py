@@ -305,3 +305,17 @@ def test_lora_overhead(tiny, tmp_path, capsys):
     assert all(len(v) == 2 and min(v) > 0 for v in r["runs"].values())
     assert set(r["overhead"]) == {"lora-base", "lora-mixed"}
     assert "overhead vs base" in capsys.readouterr().out
+
+
+def test_structured_overhead(tmp_path, smollm2_dir, capsys):
+    """`kiln bench structured`: free vs JSON-schema-constrained decode steps with the
+    whole batch in, on a tiny model with SmolLM2's tokenizer (the grammar needs one)."""
+    from server_utils import make_tiny_chat_model
+
+    model = make_tiny_chat_model(tmp_path / "chat", smollm2_dir)
+    r = bench(tmp_path, "structured", "--model", str(model), "-O0", "--num-prompts", "4",
+              "--output-len", "8", "--repeats", "1")
+    assert r["mode"] == "structured" and r["compile_ms"] > 0
+    assert set(r["runs"]) == {"free", "constrained"}
+    assert all(len(v) == 1 and v[0] > 0 for v in r["runs"].values())
+    assert "overhead" in capsys.readouterr().out

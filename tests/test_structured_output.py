@@ -13,7 +13,7 @@ import xgrammar as xgr
 
 from kiln import LLM, SamplingParams
 from kiln.structured_output import StructuredOutputsParams as SO
-from kiln.structured_output.apply import unpack_bitmask
+from kiln.structured_output.apply import apply_bitmask_, unpack_bitmask
 from kiln.structured_output.manager import StructuredOutputRequest
 from server_utils import make_tiny_chat_model
 
@@ -50,14 +50,25 @@ def test_params_take_exactly_one_constraint():
         SamplingParams(structured_outputs=["regex"])
 
 
-def test_unpacked_bitmask_equals_xgrammars_own_application():
-    vocab = 100
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32)
-    logits = torch.randn(3, vocab)
-    expected = logits.clone()
-    xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab)
-    ours = logits.masked_fill(~unpack_bitmask(bitmask, vocab), float("-inf"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_bitmask_application_equals_xgrammars_own(cpu_kernels_loaded, dtype, kernel):
+    """kiln's C++ kernel and its ATen fallback against xgrammar's reference, on a subset
+    of rows, with all-allowed and all-forbidden words and a vocabulary that is not a
+    multiple of 32."""
+    vocab = 1000
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 32), dtype=torch.int32)
+    bitmask[0, 3], bitmask[1, 4] = -1, 0
+    logits = torch.randn(4, vocab).to(dtype)
+    rows = torch.tensor([2, 0])
+    expected = logits.clone()  # xgrammar's bitmask rows are the logits' rows
+    full = torch.full((4, 32), -1, dtype=torch.int32)
+    full[rows] = bitmask
+    xgr.apply_token_bitmask_inplace(expected, full, vocab_size=vocab, indices=[2, 0])
+    ours = logits.clone()
+    apply_bitmask_(ours, rows, bitmask, kernel=kernel)
     assert torch.equal(ours, expected)
+    assert torch.equal(unpack_bitmask(bitmask, vocab), expected[[2, 0]] > float("-inf"))
 
 
 def test_constraints_hold_in_one_mixed_batch(llm):

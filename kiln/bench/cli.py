@@ -1,5 +1,5 @@
-"""`kiln bench latency | throughput | serve | compile | kernels | quality | lora`: arguments
-and dispatch.
+"""`kiln bench latency | throughput | serve | compile | kernels | quality | lora |
+structured`: arguments and dispatch.
 
 Every mode prints a table, writes its result as JSON with `--json PATH` (schemas in each
 mode's module docstring) and PNG charts into `--plot DIR`.
@@ -23,7 +23,8 @@ def _outputs(p: argparse.ArgumentParser) -> None:
 def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
     bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
-                                         "| serve | compile | kernels | quality | lora")
+                                         "| serve | compile | kernels | quality | lora "
+                                         "| structured")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     lat = modes.add_parser("latency", help="one fixed batch, timed per engine step")
     lat.add_argument("--batch-size", type=int, default=8)
@@ -94,7 +95,13 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     lora.add_argument("--num-adapters", type=int, default=4)
     lora.add_argument("--rank", type=int, default=16)
     lora.add_argument("--repeats", type=int, default=3)
-    for p in (lat, tp, srv, comp, ker, qual, lora):
+    st = modes.add_parser("structured", help="per-step cost of JSON-schema constraints on "
+                          "N requests vs none, interleaved")
+    engine_args(st)
+    st.add_argument("--num-prompts", type=int, default=32)
+    st.add_argument("--output-len", type=int, default=64)
+    st.add_argument("--repeats", type=int, default=3)
+    for p in (lat, tp, srv, comp, ker, qual, lora, st):
         _outputs(p)
 
 
@@ -150,6 +157,12 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
 
         result = run_lora(make_lora, args.num_prompts, args.input_len, args.output_len,
                           args.num_adapters, args.rank, args.repeats)
+    elif mode == "structured":
+        from kiln.bench.structured import (format_structured as fmt,
+                                           plot_structured as plot, run_structured)
+
+        result = run_structured(make_llm(args), args.num_prompts, args.output_len,
+                                args.repeats)
     else:
         from kiln.bench.kernels import format_kernels as fmt, plot_kernels as plot
         from kiln.bench.shapes import run_kernels_for_model

@@ -96,6 +96,15 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when this text appears (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    g = p.add_argument_group("structured output (one of)")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the output is JSON valid against this JSON schema file")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression")
+    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is exactly one of these (repeatable)")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="the output follows this EBNF grammar file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,7 +206,35 @@ def _params(args: argparse.Namespace) -> Any:
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
-        ignore_eos=args.ignore_eos, seed=args.seed)
+        ignore_eos=args.ignore_eos, seed=args.seed, structured_outputs=_structured(args))
+
+
+def _structured(args: argparse.Namespace) -> Any:
+    """--json-schema / --json-object / --regex / --choice / --grammar, checked now."""
+    from kiln.structured_output import StructuredOutputsParams
+    from kiln.structured_output.backend import grammar_for
+
+    fields = {"json": _read(args.json_schema, "--json-schema"),
+              "json_object": args.json_object or None, "regex": args.regex,
+              "choice": args.choice, "grammar": _read(args.grammar, "--grammar")}
+    given = {k: v for k, v in fields.items() if v is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError("give one of --json-schema, --json-object, --regex, --choice, "
+                         "--grammar")
+    params = StructuredOutputsParams(**given)
+    grammar_for(params)  # a bad schema, regex or grammar fails before the model loads
+    return params
+
+
+def _read(path: str | None, flag: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

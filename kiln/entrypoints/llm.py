@@ -102,19 +102,29 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-             ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them.
+        `tools` (OpenAI function tools) reach the template, or the Hermes tool prompt
+        when the template knows no tools (as `kiln serve` does); the replies are text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: list[Message],
-                            add_generation_prompt: bool = True) -> dict[str, Any]:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        from kiln.entrypoints.openai.tools import (ToolPlan, render_messages,
+                                                   template_knows_tools)
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with raw text")
-        text = tok.apply_chat_template(conversation, tokenize=False,
+        native = template_knows_tools(tok.chat_template)
+        conversation = render_messages(list(conversation), ToolPlan(tools or [], "auto"),
+                                       native)
+        text = tok.apply_chat_template(conversation, tools=tools if native else None,
+                                       tokenize=False,
                                        add_generation_prompt=add_generation_prompt)
         # The template already carries the special tokens: don't add a second BOS.
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}

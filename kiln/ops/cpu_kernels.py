@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("linear_bf16.cpp", "linear_quant.cpp",
                                       "linear_quant_bf16.cpp", "paged_attention.cpp",
-                                      "greedy.cpp", "lora.cpp")]
+                                      "greedy.cpp", "lora.cpp", "bitmask.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "linear_quant.h")]
 # The ISA classes, best first, with the instructions each build may use.

@@ -130,6 +130,11 @@ def register_fakes() -> None:
                        indices: torch.Tensor) -> None:
         return None
 
+    @torch.library.register_fake("kiln_cpu::apply_token_bitmask_")
+    def _apply_token_bitmask_fake(logits: torch.Tensor, rows: torch.Tensor,
+                                  bitmask: torch.Tensor) -> None:
+        return None
+
     @torch.library.register_fake("kiln_cpu::greedy_argmax")
     def _greedy_argmax_fake(logits: torch.Tensor) -> torch.Tensor:
         return logits.new_empty((logits.shape[0],), dtype=torch.long)

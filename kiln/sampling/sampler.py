@@ -20,7 +20,7 @@ from kiln.ops import cpu_kernels
 from kiln.sampling.logprobs import LogprobsTensors, gather_logprobs
 from kiln.sampling.metadata import Penalties, SamplingMetadata
 from kiln.sampling.params import _GREEDY_EPS
-from kiln.structured_output.apply import apply_bitmask
+from kiln.structured_output.apply import apply_bitmask_
 
 
 @dataclass(slots=True)
@@ -31,8 +31,8 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if md.grammar is not None:
-            logits = apply_bitmask(logits, md.grammar.rows, md.grammar.bitmask)
+        if md.grammar is not None:  # in place: the runner's logits are this step's alone
+            apply_bitmask_(logits, md.grammar.rows, md.grammar.bitmask)
         fast = _fused_greedy(logits, md)
         if fast is not None:
             return SamplerOutput(fast, None)
