@@ -25,8 +25,8 @@ from kiln.models.model_source import gguf_source, resolve_model
 from kiln.quantization import resolve_quantization
 from kiln.runner import RunnerLimits
 from kiln.sampling import SamplingParams
-from kiln.scheduler import (BlockHasher, KVCacheManager, Scheduler, SchedulerPolicy,
-                            SchedulerStats)
+from kiln.scheduler import (BlockHasher, KVCacheManager, ModelRunnerOutput, Scheduler,
+                            SchedulerPolicy, SchedulerStats)
 
 if TYPE_CHECKING:  # imported on first use: xgrammar loads only when a constraint comes
     from kiln.structured_output.manager import StructuredOutputManager
@@ -230,7 +230,13 @@ class LLMEngine:
         """Run one scheduler step; return at most one output per user request that got new
         tokens, shaped by its `output_kind` (cumulative, delta, or final only)."""
         so = self.scheduler.schedule()
-        runner_out = self.executor.execute(so)
+        if so.is_empty and not (so.finished_req_ids or so.preempted_req_ids):
+            # Nothing to run or tell the workers: every waiting request's grammar is still
+            # compiling. Wait for one (briefly) rather than spin against the compile.
+            runner_out = ModelRunnerOutput([], [])
+            self.scheduler.wait_for_grammars(timeout_s=0.05)
+        else:
+            runner_out = self.executor.execute(so)
         self._maybe_log_stats()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         core_outputs += self.scheduler.take_errors()  # failed alone while scheduling

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+from concurrent import futures
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from kiln.engine.request import Request, RequestStatus
@@ -117,6 +117,13 @@ class Scheduler:
         s = self.kv.stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, s.queries,
                               s.hits, self.num_preemptions)
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block until a waiting request's grammar compile finishes, or the timeout."""
+        pending = [r.structured.future for r in self.waiting
+                   if r.structured is not None and r.structured.matcher is None]
+        if pending:
+            futures.wait(pending, timeout=timeout_s, return_when=futures.FIRST_COMPLETED)
 
     def take_errors(self) -> list[EngineCoreOutput]:
         """Requests that failed alone since the last call, as final outputs."""
