@@ -61,6 +61,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._bitmask = self.backend.allocate_bitmask(1)
+        self.fill_s = 0.0  # time spent filling bitmasks (what a step pays on the host)
+        self.fill_steps = 0
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
@@ -107,6 +109,7 @@ class StructuredOutputManager:
         is constrained. Unconstrained rows and finished grammars allow every token."""
         if not any(r is not None for r in rows):
             return None
+        start = time.perf_counter()
         if self._bitmask.shape[0] < len(rows):
             self._bitmask = self.backend.allocate_bitmask(len(rows))
         mask = self._bitmask[: len(rows)]
@@ -114,7 +117,10 @@ class StructuredOutputManager:
         for i, so in enumerate(rows):
             if so is not None and so.matcher is not None and not so.matcher.is_terminated():
                 so.matcher.fill_next_token_bitmask(self._bitmask, i)
-        return mask.numpy().copy()
+        out = mask.numpy().copy()
+        self.fill_s += time.perf_counter() - start
+        self.fill_steps += 1
+        return out
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
