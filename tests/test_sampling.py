@@ -164,11 +164,18 @@ def test_fused_greedy_argmax_equals_torch_argmax_with_ties(vocab):
 
 @pytest.mark.usefixtures("cpu_kernels_loaded")
 def test_fused_greedy_argmax_leaves_nan_and_inf_rows_to_aten():
-    logits = torch.randn(3, 100).to(torch.bfloat16)
+    """NaN and +inf rows go to ATen; -inf (a grammar's masked tokens) stays in the kernel,
+    including a row that is -inf everywhere (argmax 0, as ATen says)."""
+    logits = torch.randn(5, 100).to(torch.bfloat16)
     logits[0, 70] = float("nan")
-    logits[1, 9] = float("-inf")
-    assert torch.ops.kiln_cpu.greedy_argmax(logits)[:2].tolist() == [-1, -1]
-    md = SamplingMetadata.build([Row(SamplingParams(temperature=0))] * 3, torch.device("cpu"),
+    logits[1, 9] = float("inf")
+    logits[2, ::2] = float("-inf")
+    logits[3, :] = float("-inf")
+    logits[4, 95:] = float("-inf")  # in the scalar tail (100 = 6 x 16 + 4)
+    ids = torch.ops.kiln_cpu.greedy_argmax(logits)
+    assert ids[:2].tolist() == [-1, -1]
+    assert ids[2:].tolist() == logits[2:].float().argmax(dim=-1).tolist()
+    md = SamplingMetadata.build([Row(SamplingParams(temperature=0))] * 5, torch.device("cpu"),
                                 100)
     # The sampler falls back to widening and ATen's argmax, NaN semantics included.
     assert Sampler()(logits, md).sampled.tolist() == logits.float().argmax(dim=-1).tolist()

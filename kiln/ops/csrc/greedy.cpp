@@ -6,12 +6,16 @@
 // nothing else to apply needs only the index of each row's maximum.
 //
 // Same answer as torch.argmax: the first index of the maximum (bf16 ties are common, so
-// this matters). Rows with a NaN or an infinity are not decided here: the row's result is
-// -1 and the caller falls back to ATen, whose NaN and -inf semantics then apply. (0 * v is
-// NaN exactly for those values, so one sum finds them.)
+// this matters). -inf is an ordinary value here: structured output masks forbidden tokens
+// with it, and those steps must stay on this path. Rows with a NaN or +inf are not
+// decided here: the row's result is -1 and the caller falls back to ATen, whose NaN
+// semantics then apply. (Each v is first raised to at least -FLT_MAX, which keeps a NaN
+// (x86 max returns its second operand when one is NaN); then 0 * v is NaN exactly for NaN
+// and +inf, so one sum finds them.)
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <cfloat>
 #include <cmath>
 
 #include "simd.h"
@@ -22,19 +26,19 @@ int64_t argmax_row(const c10::BFloat16* x, int64_t V) {
   using namespace kiln_isa;
   const int64_t whole = V / 16 * 16;
   V16 m = set1(-INFINITY), check = zero();
-  const V16 nothing = zero();
+  const V16 nothing = zero(), lowest = set1(-FLT_MAX);
   for (int64_t i = 0; i < whole; i += 16) {
     const V16 v = load_bf16(x + i);
     m = max(m, v);
-    check = fmadd(v, nothing, check);  // NaN from here on iff some v is NaN or inf
+    check = fmadd(max(lowest, v), nothing, check);  // NaN from here on iff a NaN or +inf
   }
   float best = reduce_max(m), finite_check = reduce_add(check);
   for (int64_t i = whole; i < V; ++i) {
     const float v = static_cast<float>(x[i]);
-    finite_check += v * 0.f;
+    finite_check += (v == -INFINITY ? 0.f : v) * 0.f;
     best = v > best ? v : best;
   }
-  if (finite_check != 0.f) return -1;  // NaN (or inf) somewhere: ATen decides
+  if (finite_check != 0.f) return -1;  // NaN (or +inf) somewhere: ATen decides
   for (int64_t i = 0; i < V; ++i)
     if (static_cast<float>(x[i]) == best) return i;
   return -1;  // unreachable for finite rows
