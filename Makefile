@@ -25,10 +25,11 @@ run: $(STAMP)
 # Warm the repository-local compile cache first, the way a user's CI would; the compiled
 # tests on the default model then start warm (-O1 and -O2 share these artifacts on the
 # CPU: they differ only in CUDA graphs, which are not part of the compiled code).
-# Two warm-ups side by side: the default dtype (bf16 wherever kiln's CPU kernels run) and
-# the float32 graph of the parity tests; each compile is mostly one g++ process.
+# Two warm-ups side by side: the default (bf16 wherever kiln's CPU kernels run, the GGUF
+# file's own blocks) and the float32 graph of the parity tests (dequantized weights, the
+# checkpoint transformers loads); each compile is mostly one g++ process.
 test: $(STAMP)
-	$(KILN) warmup -O2 --dtype float32 > $(VENV)/warmup-float32.log 2>&1 & fp32=$$!; \
+	$(KILN) warmup -O2 --dtype float32 --quantization none > $(VENV)/warmup-float32.log 2>&1 & fp32=$$!; \
 	$(KILN) warmup -O2; rc=$$?; \
 	if wait $$fp32; then tail -n 6 $(VENV)/warmup-float32.log; \
 	else cat $(VENV)/warmup-float32.log; rc=1; fi; exit $$rc
