@@ -88,21 +88,25 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     qual.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     lora = modes.add_parser("lora", help="N requests over several random adapters vs the "
                             "base model (with and without LoRA on), interleaved")
-    engine_args(lora)
-    lora.add_argument("--num-prompts", type=int, default=32)
-    lora.add_argument("--input-len", type=int, default=128)
-    lora.add_argument("--output-len", type=int, default=64)
+    _interleaved_workload(lora, engine_args, input_len=True)
     lora.add_argument("--num-adapters", type=int, default=4)
     lora.add_argument("--rank", type=int, default=16)
-    lora.add_argument("--repeats", type=int, default=3)
     st = modes.add_parser("structured", help="per-step cost of JSON-schema constraints on "
                           "N requests vs none, interleaved")
-    engine_args(st)
-    st.add_argument("--num-prompts", type=int, default=32)
-    st.add_argument("--output-len", type=int, default=64)
-    st.add_argument("--repeats", type=int, default=3)
+    _interleaved_workload(st, engine_args, input_len=False)
     for p in (lat, tp, srv, comp, ker, qual, lora, st):
         _outputs(p)
+
+
+def _interleaved_workload(p: argparse.ArgumentParser, engine_args: EngineArgs,
+                          input_len: bool) -> None:
+    """The offline workload of the modes that interleave cases `--repeats` times."""
+    engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=32)
+    if input_len:
+        p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
 
 
 def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any],

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from kiln.bench.report import engine_facts, environment, table
+from kiln.bench.report import engine_facts, environment, repeats_table
 from kiln.bench.throughput import run_throughput
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -89,12 +89,8 @@ def format_lora(r: dict[str, Any]) -> str:
             f"{c['output_len']}; {c['num_adapters']} adapters of rank {c['rank']}; -O"
             f"{c['optimization_level']} {c['dtype']} ({r['device']}), median of "
             f"{c['repeats']}")
-    rows = [[name, r["median_tok_s"][name], *r["runs"][name],
-             "" if name == "base" else f"{100 * r['overhead'][name]:+.1f}%"]
-            for name in r["runs"]]
-    headers = ["run", "median tok/s", *[f"#{i + 1}" for i in range(c["repeats"])],
-               "overhead vs base"]
-    return "\n".join([head, table(headers, rows, digits=1)])
+    return "\n".join([head, repeats_table(r["runs"], r["median_tok_s"], r["overhead"],
+                                          "base", "tok/s", digits=1)])
 
 
 def plot_lora(r: dict[str, Any], out_dir: Path) -> list[Path]:

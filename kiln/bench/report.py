@@ -103,3 +103,16 @@ def summary_rows(named: dict[str, dict[str, Any]]) -> list[list[Any]]:
 
 
 SUMMARY_HEADERS = ("metric", "n", "mean", "p50", "p90", "p99", "max")
+
+
+def repeats_table(runs: dict[str, list[float]], median: dict[str, float],
+                  overhead: dict[str, float], baseline: str, value: str,
+                  digits: int) -> str:
+    """Interleaved runs side by side: per run its median `value`, each repeat, and its
+    overhead over the `baseline` run."""
+    repeats = max(len(v) for v in runs.values())
+    rows = [[name, median[name], *runs[name],
+             "" if name == baseline else f"{100 * overhead[name]:+.1f}%"] for name in runs]
+    headers = ["run", f"median {value}", *[f"#{i + 1}" for i in range(repeats)],
+               f"overhead vs {baseline}"]
+    return table(headers, rows, digits=digits)

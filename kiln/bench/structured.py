@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from kiln.bench.report import engine_facts, environment, table
+from kiln.bench.report import engine_facts, environment, repeats_table
 
 SCHEMA = {"type": "object", "required": ["title", "chapters"], "properties": {
     "title": {"type": "string"},
@@ -127,12 +127,8 @@ def format_structured(r: dict[str, Any]) -> str:
             f"{r['compile_cached_ms']:.3f} ms; free requests in the mixed batch keep "
             f"{100 * r['free_share_of_throughput']:.1f}% of their throughput; filling the "
             f"bitmask takes {r['fill_ms_per_step']:.2f} ms per all-constrained step")
-    rows = [[name, r["median_step_ms"][name], *r["runs"][name],
-             "" if name == "free" else f"{100 * r['overhead'][name]:+.1f}%"]
-            for name in r["runs"]]
-    headers = ["run", "median step ms", *[f"#{i + 1}" for i in range(c["repeats"])],
-               "overhead"]
-    return "\n".join([head, table(headers, rows, digits=2)])
+    return "\n".join([head, repeats_table(r["runs"], r["median_step_ms"], r["overhead"],
+                                          "free", "step ms", digits=2)])
 
 
 def plot_structured(r: dict[str, Any], out_dir: Any) -> list[Any]:
