@@ -123,7 +123,7 @@ def test_bad_constraint_is_a_value_error_before_scheduling(llm):
 
 def test_a_request_waiting_for_its_grammar_sits_aside_then_fails_alone(llm):
     engine = llm.engine
-    manager = engine._structured_outputs(greedy(SO(regex="a")))
+    manager = engine.structured_output_manager()
     engine.add_request("stuck", "hi", greedy(SO(regex="b")))
     engine.add_request("free", "hi", greedy(None, 4))
     stuck = engine.scheduler.requests["stuck"]

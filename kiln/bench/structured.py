@@ -7,12 +7,12 @@ The same N requests run three ways per repeat, interleaved so the host's drift h
                requests keep generating (the grammar may end them; they then leave)
 Only decode steps with all N requests in the batch are timed, and of those only the ones
 at output lengths every case reached that way, so every case compares the same batch
-shape and the same context lengths. `overhead` is the median such step of a case over `free`, minus one: it
-covers the scheduler's bitmask fill, the matchers' advance and the mask in the sampler.
+shape and the same context lengths. `overhead` is the median such step of a case over
+`free`, minus one: it covers the scheduler's bitmask fill, the matchers' advance and the mask in the sampler.
 In `mixed` each free request still gets one token per step, so its throughput there is
 `free_share_of_throughput` = free step / mixed step of what it gets alone (1.0: nothing
-lost). Compile times: `compile_cold_ms` (the schema's first compile in the process) and
-`compile_cached_ms` (an equal constraint again: the manager's cache).
+lost). Compile times: `compile_cold_ms` (the schema's first parse and compile in the
+process) and `compile_cached_ms` (an equal constraint again: the manager's cache).
 JSON: mode "structured", environment, config, runs {case: [median step ms per repeat]},
 median_step_ms, overhead {mixed, constrained}, free_share_of_throughput, compile_*_ms,
 fill_ms_per_step (the scheduler's bitmask fill per step of the last constrained run: the
@@ -76,15 +76,12 @@ def _run_case(llm: Any, n: int, output_len: int, every: int, tag: str) -> dict[i
 
 
 def _compile_times(engine: Any) -> tuple[float, float]:
-    from kiln.sampling import SamplingParams
     from kiln.structured_output import StructuredOutputsParams
 
-    so = StructuredOutputsParams(json=SCHEMA)
-    manager = engine._structured_outputs(SamplingParams(structured_outputs=so))
+    manager = engine.structured_output_manager()
     times = []
-    for _ in range(2):  # cold, then an equal constraint again
+    for _ in range(2):  # cold (parse and compile), then an equal constraint again
         start = time.perf_counter()
-        manager.validate(so)
         manager.submit(StructuredOutputsParams(json=SCHEMA)).result()
         times.append(1e3 * (time.perf_counter() - start))
     return times[0], times[1]

@@ -126,7 +126,8 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids)
         self._validate_token_ids(params)
-        structured = self._structured_outputs(params)
+        so = params.structured_outputs
+        grammar = None if so is None else self.structured_output_manager().submit(so)
         if lora_request is not None:
             self.add_lora(lora_request)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
@@ -137,8 +138,8 @@ class LLMEngine:
         for rid, child in self.output_processor.add(request_id, text, ids, params):
             request = Request(rid, ids, child, eos, priority=priority, cache_salt=cache_salt,
                               lora_request=lora_request, block_hasher=self._hasher)
-            if structured is not None:  # each sample walks the grammar on its own
-                request.structured = structured.new_request(params.structured_outputs)
+            if grammar is not None:  # each sample walks the grammar on its own
+                request.structured = self.scheduler.structured.new_request(so, grammar)
             self.scheduler.add_request(request)
         if lora_request is not None:
             self.loras.request_counts[lora_request.lora_name] += 1
@@ -165,16 +166,13 @@ class LLMEngine:
                 raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab})")
 
-    def _structured_outputs(self, params: SamplingParams) -> StructuredOutputManager | None:
-        """The manager for a constrained request (made on first use: engines that never
-        see a constraint never load xgrammar), after the constraint parsed."""
-        if params.structured_outputs is None:
-            return None
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """The grammar manager, made on first use: engines that never see a constraint
+        never load xgrammar or build its vocabulary tables."""
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer, and this model "
                              "has none")
         from kiln.structured_output.manager import StructuredOutputManager
-        StructuredOutputManager.validate(params.structured_outputs)
         if self.scheduler.structured is None:
             self.scheduler.structured = StructuredOutputManager(
                 self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)

@@ -60,15 +60,15 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 policy: SchedulerPolicy | None = None, max_loras: int = 0,
-                 structured: StructuredOutputManager | None = None) -> None:
+                 policy: SchedulerPolicy | None = None, max_loras: int = 0) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy or SchedulerPolicy()
         self.max_loras = max_loras  # distinct adapters per step (the runner's slots)
-        self.structured = structured  # set by the engine on the first constrained request
+        # Set by the engine on the first constrained request.
+        self.structured: StructuredOutputManager | None = None
         self.errors: dict[str, str] = {}  # req_id -> why it failed alone (taken by the engine)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # in admission order for the policy

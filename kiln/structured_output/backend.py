@@ -1,9 +1,9 @@
 """The xgrammar backend: constraints -> grammars -> compiled grammars -> matchers.
 
-Parsing (`grammar_for`) needs no tokenizer and takes milliseconds: it runs when a request
-is added, so a bad schema, regex or grammar is a `ValueError` naming the field before
-anything is scheduled. Compiling against the vocabulary is the slow part and runs in the
-manager's thread pool.
+Parsing (`grammar_for`) needs no tokenizer and takes milliseconds: it runs when a new
+constraint is added, so a bad schema, regex or grammar is a `ValueError` naming the field
+before anything is scheduled. Compiling the parsed grammar against the vocabulary
+(`compiler.compile_grammar`) is the slow part and runs in the manager's thread pool.
 """
 from __future__ import annotations
 
@@ -52,9 +52,6 @@ class XgrammarBackend:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
-
-    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        return self.compiler.compile_grammar(grammar_for(params))
 
     @staticmethod
     def matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:

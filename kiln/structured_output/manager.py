@@ -17,7 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,14 +40,12 @@ class StructuredOutputRequest:
     deadline: float  # time.monotonic() after which a pending compile fails the request
     matcher: xgr.GrammarMatcher | None = None
     error: str | None = None
-    num_rejected: int = field(default=0)
 
     def accept(self, token_id: int) -> None:
         if self.matcher is None or self.matcher.is_terminated():
             return
         if not self.matcher.accept_token(token_id):
             # Only a sampler that ignored the mask gets here: a bug, logged, not fatal.
-            self.num_rejected += 1
             logger.warning("grammar rejected token %d", token_id)
 
 
@@ -64,27 +62,29 @@ class StructuredOutputManager:
         self.fill_s = 0.0  # time spent filling bitmasks (what a step pays on the host)
         self.fill_steps = 0
 
-    @staticmethod
-    def validate(params: StructuredOutputsParams) -> None:
-        """Parse the constraint now (milliseconds): ValueError naming the field."""
-        grammar_for(params)
-
     def submit(self, params: StructuredOutputsParams) -> Future:
-        """The compile future for this constraint, shared by equal constraints."""
+        """The compile future for this constraint, shared by equal constraints. A new
+        constraint is parsed here, on the caller's thread (milliseconds: a malformed one
+        is a ValueError naming the field), and compiled in the pool; an equal one seen
+        before costs a dictionary lookup."""
         key = params.key()
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None and not (fut.done() and fut.exception() is not None):
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self.backend.compile, params)
+        grammar = grammar_for(params)
+        with self._lock:
+            fut = self._pool.submit(self.backend.compiler.compile_grammar, grammar)
             self._cache[key] = fut
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
             return fut
 
-    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        return StructuredOutputRequest(params, self.submit(params),
+    def new_request(self, params: StructuredOutputsParams,
+                    future: Future) -> StructuredOutputRequest:
+        """One sample's state for a constraint `submit` returned `future` for."""
+        return StructuredOutputRequest(params, future,
                                        time.monotonic() + self.compile_timeout_s)
 
     def is_ready(self, so: StructuredOutputRequest) -> bool:

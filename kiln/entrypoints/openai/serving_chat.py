@@ -37,7 +37,7 @@ def apply_chat_template(tokenizer: Any, req: ChatCompletionRequest,
     messages = render_messages([_message(m) for m in req.messages], plan, native)
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=[t for t in plan.tools] if native and plan.tools else None,
+            messages, tools=plan.tools if native and plan.tools else None,
             tokenize=False, add_generation_prompt=req.add_generation_prompt)
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}",
