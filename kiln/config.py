@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from kiln.lora import LoRAConfig
+    from kiln.spec_decode import SpeculativeConfig
 
 from kiln.graphs.mode import CUDAGraphMode
 
@@ -169,6 +170,9 @@ class EngineConfig:
     max_loras: int = 1
     max_cpu_loras: int | None = None  # None: max_loras
     max_lora_rank: int = 16
+    # Speculative decoding (kiln.spec_decode), vLLM's names: {"method": "ngram" |
+    # "draft_model", "num_speculative_tokens": k, ...}, as a dict, JSON string or config
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -209,6 +213,14 @@ class EngineConfig:
                              "positive integer")
         self._validate_parallel()
         self.lora_config()  # a bad LoRA limit fails here, named
+        from kiln.spec_decode import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.speculative_config.uses_draft_kv \
+                and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config.method='draft_model' runs with "
+                             "tensor_parallel_size=1 only (the draft is not sharded); use "
+                             "method 'ngram' with tensor parallelism, or -tp 1")
         self.compilation = _compilation(self.compilation)
         self.compilation.validate(self.max_num_batched_tokens)
         self._apply_level()

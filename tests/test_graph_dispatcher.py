@@ -47,6 +47,20 @@ def test_full_keys_are_exact_piecewise_keys_relaxed():
     assert full.dispatch(3, uniform_decode=True) == (M.FULL, BD(4, 4, False))
 
 
+def test_uniform_keys_for_draft_verification():
+    """Speculation (k = 3): uniform decode also comes as 4 tokens per request; the request
+    count pads to a capture size, and a non-multiple falls back to the mixed keys."""
+    d = GraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, max_num_seqs=8,
+                        uniform_query_lens=(1, 4))
+    assert d.keys[M.FULL] == {BD(q * s, s, True) for s in (1, 2, 4, 8) for q in (1, 4)}
+    assert d.dispatch(12, uniform_decode=True, query_len=4) == (M.FULL, BD(16, 4, True))
+    assert d.dispatch(8, uniform_decode=True, query_len=4) == (M.FULL, BD(8, 2, True))
+    assert d.dispatch(3, uniform_decode=True) == (M.FULL, BD(4, 4, True))
+    assert d.dispatch(10, uniform_decode=True, query_len=5) == (M.PIECEWISE, BD(16))
+    # 9 requests of 4 tokens: past the largest capture size, eager.
+    assert d.dispatch(36, uniform_decode=True, query_len=4) == (M.NONE, BD(36))
+
+
 def test_padding_table_and_none_above_the_largest_size():
     d = GraphDispatcher(M.PIECEWISE, SIZES, max_num_seqs=8)
     assert [d.padded[n] for n in (1, 3, 5, 13, 16)] == [1, 4, 8, 16, 16]

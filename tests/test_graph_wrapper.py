@@ -102,8 +102,8 @@ class DecodeGraphBackend(TorchPagedBackend):
 
     def forward(self, query, key, value, kv_cache, metadata, output):
         ctx = get_forward_context()
-        if self.spec is DecodeGraphBackend.first_spec:
-            DecodeGraphBackend.seen.append((ctx.cudagraph_mode, ctx.batch_descriptor,
+        if self.spec is type(self).first_spec:
+            type(self).seen.append((ctx.cudagraph_mode, ctx.batch_descriptor,
                                             metadata.slot_mapping.tolist(),
                                             ctx.is_padding.tolist(), metadata.num_reqs))
         super().forward(query, key, value, kv_cache, metadata, output)
@@ -154,6 +154,60 @@ def test_runner_full_decode_graphs_pad_requests(tiny_models, monkeypatch):
     assert (mode, desc, num_reqs) == (M.FULL, BD(4, 4, True), 4)
     assert slots[3] == -1 and min(slots[:3]) >= 16 and is_padding == [False] * 3 + [True]
     assert full.num_replays == 7 and [w.num_replays for w in pieces] == [1, 1, 1]
+
+
+class UniformBatchBackend(DecodeGraphBackend):
+    """The recording backend, declaring FULL graphs for uniform multi-token decode."""
+
+    name = "torch-uniform-batch-test"
+    cg_support = AttentionCGSupport.UNIFORM_BATCH
+
+
+def test_runner_full_graphs_verify_draft_tokens(tiny_models, monkeypatch):
+    """Speculative decoding with k = 2: uniform decode of 3 tokens per request is a FULL
+    key of its own; padding requests take 3 tokens too, and outputs keep parity."""
+    path, hf = tiny_models["llama"]
+    monkeypatch.setattr("kiln.runner.model_runner.select_backend",
+                        lambda *a, **k: UniformBatchBackend)
+    monkeypatch.setattr(UniformBatchBackend, "first_spec", None, raising=False)
+    monkeypatch.setattr(UniformBatchBackend, "seen", [])
+    llm = LLM(str(path), optimization_level=2, progress=False, max_model_len=128,
+              dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64,
+              compilation={"backend": "eager", "graph_backend": "cpu_test",
+                           "cudagraph_capture_sizes": [1, 2, 4, 8, 16]},
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                  "prompt_lookup_min": 1})
+    runner = llm.engine.runner
+    UniformBatchBackend.first_spec = runner.attn_backends[0].spec
+    full = runner.graph_wrappers[-1]
+    assert full.num_captures == 8  # 4 request counts x (1, 3) tokens each
+    prompts = random_prompts(3, [5, 2, 9], seed=2)
+    refs = {tuple(p): hf_greedy(hf, p, 12) for p in prompts}
+
+    class HalfRightDrafter:
+        """Every request drafts 2 tokens each step: the true next one, then a wrong one
+        (so each verification accepts one and rejects one, in a uniform batch)."""
+
+        def propose(self, rows, states):
+            out = {}
+            for st in states:
+                ref = refs[tuple(st.token_ids[: st.num_prompt_tokens])]
+                done = len(st.token_ids) - st.num_prompt_tokens
+                if done < len(ref):
+                    out[st.req_id] = [ref[done], (ref[done] + 1) % 512]
+            return out
+
+    runner.drafter = HalfRightDrafter()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+    verify = [(d, n, pad) for mode, d, _, pad, n in UniformBatchBackend.seen
+              if mode is M.FULL and d.uniform and d.num_tokens == 3 * d.num_reqs]
+    assert verify, [(m, d, n) for m, d, _, _, n in UniformBatchBackend.seen]
+    # 3 requests verifying 2 drafts: the 4-request graph, a whole padding request.
+    assert (BD(12, 4, True), 4, [False] * 9 + [True] * 3) in verify
+    spec = llm.engine.get_stats().spec_decoding
+    assert spec.acceptance_rate == pytest.approx(0.5, abs=0.1)
 
 
 def test_compile_size_skipped_by_padding_fails_at_start_up(tiny_models):

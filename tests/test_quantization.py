@@ -39,12 +39,12 @@ def _random_weights(n: int, k: int, g: torch.Generator):
 @pytest.mark.usefixtures("cpu_kernels_loaded")
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (80, 64), (832, 576)])
 def test_kernel_matches_dequantize_then_matmul(n, k):
-    """Every format, both kernels (direct, panel), fp32 and bf16 activations, odd row
+    """Every format, both kernels (direct, panel), fp32 and bf16 activations, row
     counts and partial tiles, with and without bias."""
     g = torch.Generator().manual_seed(n + k)
     for fmt, w in _random_weights(n, k, g).items():
         ref_w = dequantize(w)
-        for m in (1, 3, 5, 17, 33):
+        for m in (1, 3, 5, 6, 8, 17, 33):  # 5..8: the tall direct tile
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(m, k, generator=g).to(dtype)
                 bias = torch.randn(n, generator=g)

@@ -1,5 +1,5 @@
 """`kiln bench latency | throughput | serve | compile | kernels | quality | lora |
-structured`: arguments and dispatch.
+structured | spec`: arguments and dispatch.
 
 Every mode prints a table, writes its result as JSON with `--json PATH` (schemas in each
 mode's module docstring) and PNG charts into `--plot DIR`.
@@ -24,7 +24,7 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
     bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
                                          "| serve | compile | kernels | quality | lora "
-                                         "| structured")
+                                         "| structured | spec")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     lat = modes.add_parser("latency", help="one fixed batch, timed per engine step")
     lat.add_argument("--batch-size", type=int, default=8)
@@ -94,7 +94,12 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     st = modes.add_parser("structured", help="per-step cost of JSON-schema constraints on "
                           "N requests vs none, interleaved")
     _interleaved_workload(st, engine_args, input_len=False)
-    for p in (lat, tp, srv, comp, ker, qual, lora, st):
+    sp = modes.add_parser("spec", help="speculative decoding vs none at batch 1 on an "
+                          "input-grounded and a free-chat workload, interleaved")
+    engine_args(sp)
+    sp.add_argument("--output-len", type=int, default=192)
+    sp.add_argument("--repeats", type=int, default=3)
+    for p in (lat, tp, srv, comp, ker, qual, lora, st, sp):
         _outputs(p)
 
 
@@ -167,6 +172,16 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
 
         result = run_structured(make_llm(args), args.num_prompts, args.output_len,
                                 args.repeats)
+    elif mode == "spec":
+        from kiln.bench.spec import format_spec as fmt, plot_spec as plot, run_spec
+
+        spec = args.speculative_config or '{"method": "ngram", "num_speculative_tokens": 4}'
+
+        def make_spec(on: bool) -> Any:
+            return make_llm(argparse.Namespace(
+                **{**vars(args), "speculative_config": spec if on else None}))
+
+        result = run_spec(make_spec, args.output_len, args.repeats)
     else:
         from kiln.bench.kernels import format_kernels as fmt, plot_kernels as plot
         from kiln.bench.shapes import run_kernels_for_model

@@ -22,6 +22,7 @@ from kiln.models import ModelConfig
 from kiln.quantization import QuantizationConfig
 from kiln.runner import ModelRunner, RunnerLimits
 from kiln.scheduler import ModelRunnerOutput, SchedulerOutput
+from kiln.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class RunnerSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     lora: LoRAConfig | None = None
+    speculative: SpeculativeConfig | None = None
+    draft_model_config: ModelConfig | None = None
 
 
 def cpu_threads_per_rank(local_ranks: int) -> int:
@@ -62,7 +65,9 @@ class Worker:
                                   num_kv_blocks=spec.num_kv_blocks,
                                   attention_backend=spec.attention_backend,
                                   compilation=spec.compilation, progress=spec.progress,
-                                  quantization=spec.quantization, lora=spec.lora)
+                                  quantization=spec.quantization, lora=spec.lora,
+                                  speculative=spec.speculative,
+                                  draft_model_config=spec.draft_model_config)
         self.step_s = 0.0
         self.steps = 0
 

@@ -18,13 +18,14 @@ from kiln.lora import LoRAError, LoRARequest
 from kiln.lora.registry import AdapterRegistry
 from kiln.distributed.executor import Executor, make_executor
 from kiln.distributed.worker import RunnerSpec
-from kiln.engine.setup import (check_kv_capacity, check_tensor_parallel, load_tokenizer,
-                               resolve_dtype, resolve_max_model_len)
+from kiln.engine.setup import (check_draft_model, check_kv_capacity, check_tensor_parallel,
+                               load_tokenizer, resolve_dtype, resolve_max_model_len)
 from kiln.models import ModelConfig, model_class
 from kiln.models.model_source import gguf_source, resolve_model
 from kiln.quantization import resolve_quantization
 from kiln.runner import RunnerLimits
 from kiln.sampling import SamplingParams
+from kiln.spec_decode import SpecDecodingStats
 from kiln.scheduler import (BlockHasher, KVCacheManager, ModelRunnerOutput, Scheduler,
                             SchedulerPolicy, SchedulerStats)
 
@@ -63,10 +64,14 @@ class LLMEngine:
         self.loras = AdapterRegistry(mc, self.lora_config) if self.lora_config else None
         limits = RunnerLimits(config.max_num_seqs, config.max_num_batched_tokens,
                               self.max_model_len, config.block_size)
+        self.speculative = sc = config.speculative_config
+        draft_mc = None if sc is None or not sc.uses_draft_kv else \
+            check_draft_model(sc, mc, self.tokenizer, progress)
         spec = RunnerSpec(mc, self.dtype, config.device, limits, config.seed,
                           config.kv_cache_memory, config.num_kv_blocks,
                           config.attention_backend, config.compilation, progress,
-                          quantization=qc, lora=self.lora_config)
+                          quantization=qc, lora=self.lora_config, speculative=sc,
+                          draft_model_config=draft_mc)
         self.executor: Executor = make_executor(config.distributed_executor_backend,
                                                 config.tensor_parallel_size, spec)
         # Workers stop with the engine: garbage-collected, or at interpreter exit.
@@ -86,13 +91,17 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, policy=policy,
                                    max_loras=self.lora_config.max_loras if self.lora_config
-                                   else 0)
+                                   else 0,
+                                   spec_stats=None if sc is None else
+                                   SpecDecodingStats(sc.num_speculative_tokens),
+                                   num_lookahead_tokens=sc.num_speculative_tokens
+                                   if sc is not None and sc.uses_draft_kv else 0)
         self._last_stats_log = time.monotonic()
         self.output_processor = OutputProcessor(self.tokenizer, token_namer(self.tokenizer))
         self.load_time_s = time.perf_counter() - start
-        logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d, quantization %s",
+        logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d, quantization %s%s",
                     self.load_time_s, mc.architecture, self.dtype, self.max_model_len,
-                    qc.method or "none")
+                    qc.method or "none", f", speculative {sc.describe()}" if sc else "")
 
     @property
     def runner(self) -> Any:
@@ -210,7 +219,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> SchedulerStats:
-        """Running/waiting counts, KV usage, prefix-cache queries and hits, preemptions."""
+        """Running/waiting counts, KV usage, prefix-cache queries and hits, preemptions,
+        and with speculative decoding its acceptance statistics (`spec_decoding`)."""
         return self.scheduler.make_stats()
 
     def _maybe_log_stats(self) -> None:
@@ -220,8 +230,11 @@ class LLMEngine:
         self._last_stats_log = time.monotonic()
         s = self.get_stats()
         logger.info("running %d, waiting %d, KV usage %.1f%%, prefix-cache hit rate %.1f%%, "
-                    "preemptions %d", s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
-                    100 * s.prefix_cache_hit_rate, s.num_preemptions)
+                    "preemptions %d%s", s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
+                    100 * s.prefix_cache_hit_rate, s.num_preemptions,
+                    "" if s.spec_decoding is None else
+                    f", draft acceptance {100 * s.spec_decoding.acceptance_rate:.1f}% (mean "
+                    f"accepted length {s.spec_decoding.mean_accepted_length:.2f})")
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

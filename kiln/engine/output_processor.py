@@ -129,22 +129,28 @@ class OutputProcessor:
     # ---- one sample ------------------------------------------------------------------------
     def _update_sample(self, s: SampleState, core: EngineCoreOutput,
                        logprobs: LogprobsLists | None) -> bool:
-        s.token_ids.extend(core.new_token_ids)
+        """Take a step's tokens one at a time (a speculative step brings several): a stop
+        string ends the output at the token that completes it, and the tokens after it
+        (and their logprobs) are dropped."""
         s.updated = True
+        entries = None
         if s.logprobs is not None and logprobs is not None:
             entries = to_position_dicts(logprobs, s.params.logprobs, self.namer)
-            for token, entry in zip(core.new_token_ids, entries):
-                s.logprobs.append(entry)
-                s.cumulative_logprob += entry[token].logprob
         s.finish_reason, s.stop_reason = core.finish_reason, core.stop_reason
-        ids = core.new_token_ids
-        if core.finish_reason == "stop" and core.stop_reason is not None \
-                and not s.params.include_stop_str_in_output:
-            ids = ids[:-1]  # a stop token id is not part of the text
-        stop = s.text.append(s.detokenizer.update(ids), len(s.token_ids))
-        if stop is not None and core.finish_reason is None:
-            s.finish_reason, s.stop_reason = "stop", stop
-            return True
+        ids, last = core.new_token_ids, len(core.new_token_ids) - 1
+        # A stop token id ends the step and is not part of the text.
+        hide_last = core.finish_reason == "stop" and core.stop_reason is not None \
+            and not s.params.include_stop_str_in_output
+        for i, token in enumerate(ids):
+            s.token_ids.append(token)
+            if entries is not None:
+                s.logprobs.append(entries[i])
+                s.cumulative_logprob += entries[i][token].logprob
+            text = s.detokenizer.update([] if i == last and hide_last else [token])
+            stop = s.text.append(text, len(s.token_ids))
+            if stop is not None and (core.finish_reason is None or i < last):
+                s.finish_reason, s.stop_reason = "stop", stop
+                return True
         return False
 
     def _store_prompt_logprobs(self, group: RequestGroup, start: int,

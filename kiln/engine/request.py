@@ -42,7 +42,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "arrival_time", "output_token_ids", "all_token_ids", "num_computed_tokens",
                  "status", "stop_reason", "num_preemptions", "priority", "cache_salt",
-                 "block_hashes", "_block_hasher", "lora_request", "structured")
+                 "block_hashes", "_block_hasher", "lora_request", "structured",
+                 "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
@@ -65,6 +66,9 @@ class Request:
         self.lora_request = lora_request  # its adapter's KV is its own (prefix-cache key)
         self.block_hashes: list[bytes] = []  # one per full block of known tokens
         self.structured: StructuredOutputRequest | None = None  # its grammar, if any
+        # Draft tokens proposed after its last step, verified in the next one; never part
+        # of all_token_ids (so never hashed into the prefix cache) until accepted.
+        self.spec_token_ids: list[int] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:
             block_hasher(self)

@@ -101,3 +101,25 @@ def load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def check_draft_model(sc: Any, target: ModelConfig, tokenizer: Any,
+                      progress: bool) -> ModelConfig:
+    """The draft checkpoint's config, after checking it shares the target's vocabulary
+    (its token ids must mean the same tokens)."""
+    from kiln.models.model_source import DEFAULT_MODEL, resolve_model
+
+    name = None if sc.model in (None, "default", DEFAULT_MODEL) else sc.model
+    path = resolve_model(name, progress=progress)
+    draft = ModelConfig.from_pretrained(path)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model {sc.model!r} has vocab_size "
+                         f"{draft.vocab_size} but the target has {target.vocab_size}: the "
+                         "draft must share the target's tokenizer")
+    draft_tok = load_tokenizer(path)
+    if tokenizer is not None and draft_tok is not None \
+            and draft_tok.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"speculative_config.model {sc.model!r} has another tokenizer "
+                         "than the target (same size, other tokens): the draft must share "
+                         "the target's tokenizer")
+    return draft

@@ -74,6 +74,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="adapters kept loaded behind the slots, LRU (default: --max-loras)")
     p.add_argument("--max-lora-rank", type=int, default=_default("max_lora_rank"),
                    metavar="R", help="largest adapter rank accepted (default 16)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's names: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4}' (also prompt_lookup_min/max), or "
+                        "'{\"method\": \"draft_model\", \"model\": PATH, "
+                        "\"num_speculative_tokens\": 4}'")
 
 
 def _lora_args(p: argparse.ArgumentParser) -> None:
@@ -158,7 +163,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
                distributed_executor_backend=args.distributed_executor_backend,
                quantization=args.quantization, enable_lora=args.enable_lora,
                max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
-               max_lora_rank=args.max_lora_rank)
+               max_lora_rank=args.max_lora_rank,
+               speculative_config=args.speculative_config)
 
 
 def _lora_request(args: argparse.Namespace) -> LoRARequest | None:

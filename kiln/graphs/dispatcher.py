@@ -39,14 +39,17 @@ class GraphDispatcher:
     Mixed keys are added for every capture size under the mode's mixed routine. PIECEWISE
     keys are relaxed (only the token count matters: attention runs outside the graphs);
     FULL keys are exact (`num_reqs` is part of the captured attention launch). With a pair
-    mode, uniform-decode keys (`uniform=True`, one token per request) are added under the
-    decode routine for sizes up to `max_num_seqs`.
+    mode, uniform-decode keys (`uniform=True`, q tokens per request for each q in
+    `uniform_query_lens`: 1, and 1 + k under speculative decoding) are added under the
+    decode routine for request counts that are capture sizes up to `max_num_seqs`.
     """
 
     def __init__(self, mode: CUDAGraphMode, capture_sizes: Sequence[int], max_num_seqs: int,
-                 compile_sizes: Sequence[int] = ()) -> None:
+                 compile_sizes: Sequence[int] = (),
+                 uniform_query_lens: Sequence[int] = (1,)) -> None:
         self.mode = mode
         self.max_num_seqs = max_num_seqs
+        self.uniform_query_lens = sorted(set(uniform_query_lens))
         self.capture_sizes = sorted(set(capture_sizes)) if mode else []
         self.max_capture_size = self.capture_sizes[-1] if self.capture_sizes else 0
         # padded[n] = the smallest capture size >= n, for n in 0..max_capture_size.
@@ -74,21 +77,30 @@ class GraphDispatcher:
         if self.mode.separate_routine() and self.mode.decode_mode() is CUDAGraphMode.FULL:
             for size in self.capture_sizes:
                 if size <= self.max_num_seqs:
-                    self.keys[CUDAGraphMode.FULL].add(BatchDescriptor(size, size, True))
+                    for q in self.uniform_query_lens:
+                        self.keys[CUDAGraphMode.FULL].add(BatchDescriptor(q * size, size, True))
 
     def _full_mixed_key(self, padded: int) -> BatchDescriptor:
         return BatchDescriptor(padded, min(padded, self.max_num_seqs), False)
 
-    def dispatch(self, num_tokens: int, uniform_decode: bool = False
+    def dispatch(self, num_tokens: int, uniform_decode: bool = False, query_len: int = 1
                  ) -> tuple[CUDAGraphMode, BatchDescriptor]:
-        """FULL (exact key) > PIECEWISE (relaxed key) > NONE (unpadded, eager)."""
-        if not self.mode or not 0 < num_tokens <= self.max_capture_size:
+        """FULL (exact key) > PIECEWISE (relaxed key) > NONE (unpadded, eager).
+
+        `uniform_decode`: every request has `query_len` tokens (1, or 1 + k drafts); the
+        request count is padded then, so padding requests take `query_len` tokens too."""
+        if not self.mode:
+            return CUDAGraphMode.NONE, BatchDescriptor(num_tokens)
+        if uniform_decode and self.mode.separate_routine() and num_tokens % query_len == 0 \
+                and 0 < num_tokens // query_len <= self.max_capture_size:
+            reqs = self.padded[num_tokens // query_len]
+            exact = BatchDescriptor(reqs * query_len, reqs, True)
+            if exact in self.keys[CUDAGraphMode.FULL]:
+                return CUDAGraphMode.FULL, exact
+        if not 0 < num_tokens <= self.max_capture_size:
             return CUDAGraphMode.NONE, BatchDescriptor(num_tokens)
         padded = self.padded[num_tokens]
-        if uniform_decode and self.mode.separate_routine():
-            exact = BatchDescriptor(padded, padded, True)
-        else:
-            exact = self._full_mixed_key(padded)
+        exact = self._full_mixed_key(padded)
         if exact in self.keys[CUDAGraphMode.FULL]:
             return CUDAGraphMode.FULL, exact
         relaxed = BatchDescriptor(padded)

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from torch import fx
 
+from kiln.attention import AttentionCGSupport
 from kiln.compiler import PiecewiseBackend
 from kiln.config import CompilationConfig, CompilationMode
 from kiln.graphs import (CpuTestGraph, CUDAGraphMode, CUDAGraphWrapper, CudaGraph,
@@ -17,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_dispatcher(cc: CompilationConfig | None, backend_cls: Any,
-                       max_num_seqs: int) -> GraphDispatcher:
+                       max_num_seqs: int, spec_query_len: int = 1) -> GraphDispatcher:
     """Lower the configured mode to what the attention backend allows (one log line when
     it changes) and build the dispatcher; rejects compile sizes that padding would skip."""
     if cc is None or not cc.cudagraph_mode:
@@ -31,8 +32,13 @@ def resolve_dispatcher(cc: CompilationConfig | None, backend_cls: Any,
         if not piecewise and requested.has_piecewise_cudagraphs():
             why += "; the model is not compiled in pieces split at attention"
         logger.info("cudagraph_mode %s lowered to %s: %s", requested, mode, why)
+    # Decode rows of 1 + k tokens (draft verification) get FULL keys only from a backend
+    # whose captured launch handles uniform multi-token rows.
+
+    lens = (1, spec_query_len) if backend_cls.cg_support >= AttentionCGSupport.UNIFORM_BATCH \
+        else (1,)
     return GraphDispatcher(mode, cc.cudagraph_capture_sizes or [], max_num_seqs,
-                           cc.compile_sizes or [])
+                           cc.compile_sizes or [], uniform_query_lens=lens)
 
 
 def graph_factory(graph_backend: str) -> GraphFactory:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -23,7 +23,6 @@ from tqdm import tqdm
 from kiln.attention import AttentionMetadata, select_backend
 from kiln.compiler import compile_model, default_cache_root
 from kiln.config import CompilationConfig, CompilationMode
-from kiln.distributed import get_tp_group
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.graphs import CUDAGraphMode, capture_phase
 from kiln.lora import LoRAConfig, LoRARequest
@@ -39,9 +38,11 @@ from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import graph_factory, resolve_dispatcher, wrap_full, wrap_pieces
 from kiln.runner.kv_cache import allocate_kv_cache, num_blocks_for
 from kiln.runner.prompt_logprobs import compute_prompt_logprobs
-from kiln.sampling import Sampler, SamplingMetadata, SamplingParams
-from kiln.sampling.metadata import grammar_rows
+from kiln.sampling import Sampler, SamplingParams
+from kiln.runner.sample_step import sample_step
 from kiln.scheduler import FullAttentionSpec, ModelRunnerOutput, SchedulerOutput
+from kiln.spec_decode import SpeculativeConfig
+from kiln.spec_decode.drafter import make_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,18 @@ class CachedRequestState:
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...]
     lora_request: LoRARequest | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
+
+
+@dataclass(slots=True)
+class StepRow:
+    """One request's share of a forward: its input tokens this step, the first one at
+    position `start`, with the blocks that hold its KV."""
+
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+    lora_slot: int = -1  # -1: the base model
 
 
 @dataclass(slots=True)
@@ -73,7 +86,9 @@ class ModelRunner:
                  num_kv_blocks: int | None = None, attention_backend: str | None = None,
                  compilation: CompilationConfig | None = None, progress: bool = True,
                  quantization: QuantizationConfig | None = None,
-                 lora: LoRAConfig | None = None) -> None:
+                 lora: LoRAConfig | None = None,
+                 speculative: SpeculativeConfig | None = None,
+                 draft_model_config: ModelConfig | None = None) -> None:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
         if device.type == "cpu":
             # Before tracing: whether the graph calls kiln's kernels is decided at trace time.
@@ -114,7 +129,10 @@ class ModelRunner:
         self._step_buffers = (self.input_ids, self.positions, self.slot_mapping,
                               self.is_padding) + ((self.lora_indices,) if self.lora else ())
         # Resolved before compiling: a compile size that padding would skip fails fast.
-        self.dispatcher = resolve_dispatcher(compilation, backend_cls, limits.max_num_seqs)
+        # With speculation, uniform decode also comes as 1 + k tokens per request.
+        self._spec_k = speculative.num_speculative_tokens if speculative else 0
+        self.dispatcher = resolve_dispatcher(compilation, backend_cls, limits.max_num_seqs,
+                                             1 + self._spec_k)
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
         self.compile_backend = None
         if compilation is not None and compilation.mode == CompilationMode.PIECEWISE:
@@ -128,6 +146,8 @@ class ModelRunner:
         if self.dispatcher.mode:
             self._install_graphs(compilation.graph_backend)
             self.capture_model(progress)
+        self.drafter = None if speculative is None else make_drafter(
+            speculative, self, draft_model_config, compilation, attention_backend, progress)
 
     @torch.inference_mode()
     def _compile_now(self) -> None:
@@ -182,12 +202,16 @@ class ModelRunner:
         self.is_padding.np[:n] = True
         self.lora_indices.np[:n] = -1
         self.query_start_loc.np[0] = 0
-        # Requests 0..R-2 take one token each, the last takes the rest.
-        self.query_start_loc.np[1:num_reqs] = np.arange(1, num_reqs)
-        self.query_start_loc.np[num_reqs] = n
-        self.seq_lens.np[:num_reqs] = np.diff(self.query_start_loc.np[: num_reqs + 1])
+        if desc.uniform:  # uniform decode: every request takes n / R tokens
+            per = n // num_reqs
+            self.query_start_loc.np[1: num_reqs + 1] = np.arange(1, num_reqs + 1) * per
+        else:  # requests 0..R-2 take one token each, the last takes the rest
+            self.query_start_loc.np[1:num_reqs] = np.arange(1, num_reqs)
+            self.query_start_loc.np[num_reqs] = n
+        lens = np.diff(self.query_start_loc.np[: num_reqs + 1])
+        self.seq_lens.np[:num_reqs] = lens
         self.block_table.np[:num_reqs] = 0
-        metadata = self._build_metadata(n, num_reqs, n, n - num_reqs + 1)
+        metadata = self._build_metadata(n, num_reqs, n, int(lens.max()))
         ctx = ForwardContext(metadata, self.kv_caches, self.attn_backends, desc,
                              self.is_padding.device[:n], mode)
         with set_forward_context(ctx):
@@ -234,73 +258,101 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput([], [])
         req_ids = list(so.num_scheduled_tokens)
-        metadata, logits_indices, sample_ids, mode, desc = self._prepare_inputs(
-            req_ids, so.num_scheduled_tokens)
-        n = desc.num_tokens  # padded
-        ctx = ForwardContext(metadata, self.kv_caches, self.attn_backends, desc,
-                             self.is_padding.device[:n], mode)
-        with set_forward_context(ctx):
-            hidden = self.forward(self.input_ids.device[:n], self.positions.device[:n])
+        rows, logits_indices, sample_ids = self._step_rows(req_ids, so)
+        hidden = self.forward_rows(rows, self._spec_k + 1 if so.scheduled_spec_decode_tokens
+                                   else 1)
         out = ModelRunnerOutput(req_ids, [])
         sampled: dict[str, list[int]] = {}
         if sample_ids:
-            sampled = self._sample(hidden[logits_indices], sample_ids, out, so)
+            indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+            states = [self.requests[rid] for rid in sample_ids]
+            sampled = sample_step(self, hidden[indices], states, out, so)
         out.sampled_token_ids = [sampled.get(rid, []) for rid in req_ids]
         out.prompt_logprobs = compute_prompt_logprobs(
             self.model.compute_logits, hidden, [self.requests[rid] for rid in req_ids],
             so.num_scheduled_tokens, self.query_start_loc.np)
+        if self.drafter is not None:  # drafts for the next step, from the tokens just taken
+            out.spec_token_ids = self.drafter.propose(
+                rows, [self.requests[rid] for rid in sample_ids])
         return out
 
-    def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]
-                        ) -> tuple[AttentionMetadata, torch.Tensor, list[str], CUDAGraphMode,
-                                   BatchDescriptor]:
-        bs, num_reqs = self.limits.block_size, len(req_ids)
+    def _step_rows(self, req_ids: list[str], so: SchedulerOutput
+                   ) -> tuple[list[StepRow], list[int], list[str]]:
+        """Each request's inputs (its real tokens, then its drafts), the hidden rows whose
+        logits are needed (the last real token and every draft of a request that
+        samples) and which requests sample."""
         slots = self._lora_slots(req_ids)
+        spec = so.scheduled_spec_decode_tokens
+        rows: list[StepRow] = []
+        logits_indices: list[int] = []
+        sample_ids: list[str] = []
+        offset = 0
+        for i, rid in enumerate(req_ids):
+            state, n = self.requests[rid], so.num_scheduled_tokens[rid]
+            drafts = spec.get(rid, [])
+            start = state.num_computed_tokens
+            real_end = start + n - len(drafts)
+            tokens = state.token_ids[start:real_end]
+            rows.append(StepRow(tokens + drafts if drafts else tokens, start, state.block_ids,
+                                -1 if slots is None else slots[i]))
+            offset += n
+            state.spec_token_ids = drafts
+            if real_end >= len(state.token_ids):
+                logits_indices.extend(range(offset - 1 - len(drafts), offset))
+                sample_ids.append(rid)
+        return rows, logits_indices, sample_ids
+
+    def forward_rows(self, rows: list[StepRow], uniform_query_len: int = 1) -> torch.Tensor:
+        """One forward over `rows` (each request's tokens this step, in batch order):
+        fills the persistent buffers, lets the dispatcher pick the graph, pads, builds the
+        attention metadata and runs the model. Returns the hidden states, padded rows
+        included ([padded tokens, hidden]); row r's tokens are at query_start_loc[r]..."""
+        bs, num_reqs = self.limits.block_size, len(rows)
         qsl, seq_lens, table = self.query_start_loc.np, self.seq_lens.np, self.block_table.np
         table[:num_reqs] = 0  # unused entries point at the null block
         qsl[0] = offset = 0
-        logits_indices: list[int] = []
-        sample_ids: list[str] = []
-        for i, rid in enumerate(req_ids):
-            state, n = self.requests[rid], num_scheduled[rid]
-            start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            self.input_ids.np[offset: offset + n] = state.token_ids[start:end]
+        for i, row in enumerate(rows):
+            n = len(row.token_ids)
+            start, end = row.start, row.start + n
+            self.input_ids.np[offset: offset + n] = row.token_ids
             pos = self._arange[start:end]
             self.positions.np[offset: offset + n] = pos
-            if slots is not None:
-                self.lora_indices.np[offset: offset + n] = slots[i]
-            table[i, : len(state.block_ids)] = state.block_ids
+            if self.lora is not None:
+                self.lora_indices.np[offset: offset + n] = row.lora_slot
+            table[i, : len(row.block_ids)] = row.block_ids
             self.slot_mapping.np[offset: offset + n] = table[i, pos // bs] * bs + pos % bs
             offset += n
             seq_lens[i], qsl[i + 1] = end, offset
-            if end >= len(state.token_ids):
-                logits_indices.append(offset - 1)
-                sample_ids.append(rid)
-        max_query_len = max(num_scheduled.values())
-        mode, desc = self.dispatcher.dispatch(offset, uniform_decode=max_query_len == 1)
+        max_query_len = int(np.diff(qsl[: num_reqs + 1]).max())
+        uniform = offset == num_reqs * max_query_len and max_query_len in (1, uniform_query_len)
+        mode, desc = self.dispatcher.dispatch(offset, uniform_decode=uniform,
+                                              query_len=max_query_len)
         padded = desc.num_tokens
         # Padding rows: token 0 at position 0, slot -1 (never written), flagged.
         self.input_ids.np[offset:padded] = 0
         self.positions.np[offset:padded] = 0
         self.slot_mapping.np[offset:padded] = -1
-        if slots is not None:
+        if self.lora is not None:
             self.lora_indices.np[offset:padded] = -1
         self.is_padding.np[:offset] = False
         self.is_padding.np[offset:padded] = True
         if mode is CUDAGraphMode.FULL:
             # The graph's attention covers the descriptor's requests: padding requests get
-            # one token (while padded tokens remain), the null block and no writes.
+            # the key's tokens per request (while padded tokens remain), the null block and
+            # no writes.
+            per = padded // desc.num_reqs if desc.uniform else 1
             for i in range(num_reqs, desc.num_reqs):
-                take = 1 if qsl[i] < padded else 0
+                take = min(per, padded - int(qsl[i]))
                 qsl[i + 1], seq_lens[i] = qsl[i] + take, take
                 table[i] = 0
             num_reqs, offset_md = desc.num_reqs, padded
         else:
             offset_md = offset
         common = self._build_metadata(offset_md, num_reqs, padded, max_query_len)
-        indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        return (self.attn_backend_cls.build_metadata(common), indices, sample_ids, mode,
-                desc)
+        ctx = ForwardContext(self.attn_backend_cls.build_metadata(common), self.kv_caches,
+                             self.attn_backends, desc, self.is_padding.device[:padded], mode)
+        with set_forward_context(ctx):
+            return self.forward(self.input_ids.device[:padded], self.positions.device[:padded])
 
     def _lora_slots(self, req_ids: list[str]) -> list[int] | None:
         """Each request's LoRA slot (-1: none), after making its adapter resident; None
@@ -329,27 +381,3 @@ class ModelRunner:
             max_query_len=max_query_len, max_seq_len=int(seq_lens[:num_reqs].max()),
             block_size=self.limits.block_size)
 
-    def _sample(self, hidden: torch.Tensor, sample_ids: list[str],
-                out: ModelRunnerOutput, so: SchedulerOutput) -> dict[str, list[int]]:
-        """Sample one token per row, append it to the request's state and put its logprobs
-        (when asked) into `out`. One host transfer for the tokens, one for the logprobs."""
-        states = [self.requests[rid] for rid in sample_ids]
-        md = SamplingMetadata.build(states, self.device, self.config.vocab_size)
-        if so.grammar_bitmask is not None:
-            md.grammar = grammar_rows(sample_ids, so.structured_output_request_ids,
-                                      so.grammar_bitmask, self.device)
-        logits = self.model.compute_logits(hidden)  # [R, vocab]
-        result = self.sampler(logits, md)
-        # Every rank samples the same gathered logits; rank 0's tokens are made everyone's
-        # so the ranks' next inputs can never diverge (e.g. an unseeded random draw).
-        tokens = get_tp_group().broadcast(result.sampled, src=0).tolist()
-        if result.logprobs is not None:
-            lists = result.logprobs.tolists()
-            for row, state in enumerate(states):
-                if state.sampling_params.logprobs is not None:
-                    out.logprobs[state.req_id] = lists.slice(row, row + 1)
-        sampled: dict[str, list[int]] = {}
-        for state, token in zip(states, tokens):
-            state.token_ids.append(token)
-            sampled[state.req_id] = [token]
-        return sampled

@@ -125,7 +125,7 @@ def _min_tokens_bans(rows: Sequence[SamplingRow]) -> list[tuple[int, int, float]
     bans = []
     for i, r in enumerate(rows):
         p = r.sampling_params
-        if len(r.token_ids) - r.num_prompt_tokens >= p.min_tokens:
+        if not p.min_tokens or len(r.token_ids) - r.num_prompt_tokens >= p.min_tokens:
             continue
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
         bans.extend((i, t, float("-inf")) for t in sorted(stops))

@@ -27,10 +27,16 @@ from kiln.structured_output.apply import apply_bitmask_
 class SamplerOutput:
     sampled: torch.Tensor  # [R] int64
     logprobs: LogprobsTensors | None  # column 0 = the sampled token
+    # With `keep=True` (speculative verification): the final distribution of every row
+    # ([R, V] float32, None when every row is greedy) and the raw log-softmax (None when
+    # no row asked for logprobs), so accepted draft tokens can be scored afterwards.
+    probs: torch.Tensor | None = None
+    raw_logprobs: torch.Tensor | None = None
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
+                 keep: bool = False) -> SamplerOutput:
         if md.grammar is not None:  # in place: the runner's logits are this step's alone
             apply_bitmask_(logits, md.grammar.rows, md.grammar.bitmask)
         fast = _fused_greedy(logits, md)
@@ -49,24 +55,30 @@ class Sampler:
         if md.penalties is not None:
             logits = apply_penalties(logits, md.penalties)
         sampled = logits.argmax(dim=-1)
+        probs = None
         if not md.all_greedy:
-            sampled = self._sample_random(logits, md, greedy=sampled)
+            probs = self.final_probs(logits, md)
+            noise = _exponential_noise(probs, md.generators)
+            is_greedy = md.temperature < _GREEDY_EPS
+            sampled = torch.where(is_greedy, sampled, (probs / noise).argmax(dim=-1))
         lp = None
         if raw_logprobs is not None:
             lp = gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
+        if keep:
+            return SamplerOutput(sampled, lp, probs, raw_logprobs)
         return SamplerOutput(sampled, lp)
 
-    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata,
-                       greedy: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def final_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows sample from: temperature, min_p, top-k/top-p
+        applied to float32 logits that already carry bias, bans and penalties."""
         is_greedy = md.temperature < _GREEDY_EPS
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temperature.unsqueeze(1)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
-        probs = logits.softmax(dim=-1)
-        sampled = (probs / _exponential_noise(probs, md.generators)).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, sampled)
+        return logits.softmax(dim=-1)
 
 
 def _fused_greedy(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:

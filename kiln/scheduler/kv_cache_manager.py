@@ -55,16 +55,19 @@ class KVCacheManager:
             self.stats.hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       computed: list[KVCacheBlock] | None = None,
+                       num_lookahead: int = 0) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request`, after taking the
-        prefix-cache hits `computed` (only for a request that holds no blocks yet).
+        prefix-cache hits `computed` (only for a request that holds no blocks yet), plus
+        `num_lookahead` slots beyond them that a draft model writes ahead (never cached).
 
         Returns the newly allocated blocks (possibly none), or None when the pool cannot
         supply them; in that case nothing changes."""
         computed = computed or []
         blocks = self.req_to_blocks.get(request.request_id, [])
         done = request.num_computed_tokens + len(computed) * self.block_size
-        needed = -(-(done + num_new_tokens) // self.block_size) - len(blocks) - len(computed)
+        needed = -(-(done + num_new_tokens + num_lookahead) // self.block_size) \
+            - len(blocks) - len(computed)
         # Hits that sit in the free queue stop being allocatable once touched.
         free = self.block_pool.get_num_free_blocks() - sum(b.ref_cnt == 0 for b in computed)
         if needed > free:

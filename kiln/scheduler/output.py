@@ -48,6 +48,9 @@ class SchedulerOutput:
     # constrained request that samples this step (None / empty without any).
     grammar_bitmask: np.ndarray | None = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: req_id -> the draft tokens scheduled after its real tokens
+    # (counted in num_scheduled_tokens); absent for requests without drafts this step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -64,3 +67,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # req_id -> (first prompt position covered, rows): prompt logprobs of this chunk.
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for its next step (speculative decoding only).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

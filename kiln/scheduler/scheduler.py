@@ -21,6 +21,7 @@ from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequ
                                    SchedulerOutput)
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that serve a constraint
+    from kiln.spec_decode import SpecDecodingStats
     from kiln.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decoding: SpecDecodingStats | None = None  # None: speculation is off
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -60,13 +62,19 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 policy: SchedulerPolicy | None = None, max_loras: int = 0) -> None:
+                 policy: SchedulerPolicy | None = None, max_loras: int = 0,
+                 spec_stats: SpecDecodingStats | None = None,
+                 num_lookahead_tokens: int = 0) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy or SchedulerPolicy()
         self.max_loras = max_loras  # distinct adapters per step (the runner's slots)
+        # Speculative decoding: acceptance counters (None: off), and the KV slots past a
+        # request's scheduled tokens that a draft model writes when it proposes.
+        self.spec_stats = spec_stats
+        self.num_lookahead_tokens = num_lookahead_tokens
         # Set by the engine on the first constrained request.
         self.structured: StructuredOutputManager | None = None
         self.errors: dict[str, str] = {}  # req_id -> why it failed alone (taken by the engine)
@@ -116,7 +124,8 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         s = self.kv.stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, s.queries,
-                              s.hits, self.num_preemptions)
+                              s.hits, self.num_preemptions,
+                              self.spec_stats.snapshot() if self.spec_stats else None)
 
     def wait_for_grammars(self, timeout_s: float) -> None:
         """Block until a waiting request's grammar compile finishes, or the timeout."""
@@ -144,7 +153,10 @@ class Scheduler:
                 break
             if request.request_id in step.preempted:
                 continue
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, step)
+            real = request.num_tokens - request.num_computed_tokens
+            spec = self._usable_drafts(request)
+            num_new = self._chunk(real + len(spec), step)
+            spec = spec[: max(0, num_new - real)]  # a short budget verifies fewer drafts
             new_blocks = self._allocate_or_preempt(request, num_new, step)
             if new_blocks is None:  # the request itself was preempted
                 continue
@@ -152,17 +164,34 @@ class Scheduler:
                 request.request_id, [b.block_id for b in new_blocks],
                 request.num_computed_tokens)
             step.take(request.request_id, num_new)
+            if spec:
+                step.spec[request.request_id] = spec
 
         if not step.preempted:  # admitting new work then would only thrash
             self._admit_waiting(step)
 
         out = SchedulerOutput(step.new, list(step.cached.values()), step.scheduled,
-                              sum(step.scheduled.values()), self._finished_ids, step.preempted)
+                              sum(step.scheduled.values()), self._finished_ids, step.preempted,
+                              scheduled_spec_decode_tokens=step.spec)
         self._finished_ids = set()
-        for rid, n in step.scheduled.items():  # progress is booked when scheduled
-            self.requests[rid].num_computed_tokens += n
+        for rid, n in step.scheduled.items():  # progress is booked when scheduled;
+            request = self.requests[rid]  # rejected drafts are rolled back on the output
+            request.num_computed_tokens += n
+            request.spec_token_ids = []
         self._grammar_bitmask(out)
         return out
+
+    def _usable_drafts(self, request: Request) -> list[int]:
+        """The request's drafts, cut so that verified tokens never pass max_model_len
+        nor max_tokens (the bonus token counts too)."""
+        spec = request.spec_token_ids
+        if not spec:
+            return spec
+        room = self.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return spec[: max(0, room)]
 
     def _grammar_bitmask(self, out: SchedulerOutput) -> None:
         """One bitmask row per constrained request that samples this step."""
@@ -216,7 +245,8 @@ class Scheduler:
         num_new = self._chunk(request.num_tokens - num_computed, step)
         if not self._fits(request, num_computed + num_new, len(computed)):
             return False
-        if self.kv.allocate_slots(request, num_new, computed) is None:
+        if self.kv.allocate_slots(request, num_new, computed,
+                                  self.num_lookahead_tokens) is None:
             return False
         if request.num_computed_tokens == 0:
             self.kv.record_lookup(request.num_tokens, num_computed)
@@ -249,7 +279,8 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              step: _Step) -> list[KVCacheBlock] | None:
         while True:
-            blocks = self.kv.allocate_slots(request, num_new)
+            blocks = self.kv.allocate_slots(request, num_new,
+                                            num_lookahead=self.num_lookahead_tokens)
             if blocks is not None:
                 return blocks
             victim = self._pick_victim()
@@ -269,6 +300,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         if self.policy.policy == "priority":
@@ -281,10 +313,15 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for rid, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(rid)
             if request is None or request.is_finished or not token_ids:
                 continue  # aborted meanwhile, or a prefill chunk that samples nothing
+            if rid in spec:  # rejected drafts: their KV slots are rewritten later
+                request.num_computed_tokens -= len(spec[rid]) + 1 - len(token_ids)
+                if self.spec_stats is not None:
+                    self.spec_stats.observe(len(spec[rid]), len(token_ids) - 1)
             new_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -298,6 +335,8 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free(request)
+            elif request.structured is None:  # constrained requests are not drafted for
+                request.spec_token_ids = runner_output.spec_token_ids.get(rid, [])
         return outputs
 
     def _check_stop(self, request: Request) -> bool:
@@ -325,6 +364,7 @@ class _Step:
         self.cached: dict[str, CachedRequestData] = {}
         self.new: list[NewRequestData] = []
         self.preempted: set[str] = set()
+        self.spec: dict[str, list[int]] = {}  # req_id -> draft tokens verified this step
 
     def take(self, req_id: str, num_tokens: int) -> None:
         self.scheduled[req_id] = num_tokens
@@ -334,3 +374,4 @@ class _Step:
         """A victim scheduled earlier in this step gives its tokens back."""
         self.budget += self.scheduled.pop(req_id, 0)
         self.cached.pop(req_id, None)
+        self.spec.pop(req_id, None)

@@ -9,7 +9,11 @@ thread-locally in C++ around each forward (`activate`/`deactivate`, driven by
 `set_forward_context`), the counterpart of the Python forward context.
 
 Single-token rows use the in-place paged decode kernel; rows of a prefill chunk use SDPA
-over their gathered blocks, as the torch backend does.
+over their gathered blocks, as the torch backend does. A short multi-token row (draft
+verification under speculative decoding: 1 + k tokens after a long context) is split into
+one decode row per token, with causal lengths: gathering the whole context for SDPA cost
+more than the attention itself there. The kernel writes every token's K/V before any row
+attends, so token j sees tokens 0..j of its own step.
 """
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
 from kiln.ops import cpu_kernels
+
+# Rows of up to this many tokens, after a context at least as long, run as decode rows.
+SPLIT_MAX_QUERY = 16
 
 
 @dataclass(slots=True)
@@ -58,11 +65,50 @@ class CpuPagedBackend(AttentionBackend):
 
     @classmethod
     def build_metadata(cls, common: AttentionMetadata) -> CpuPagedMetadata:
-        qsl = common.query_start_loc_cpu
+        qsl, lens = common.query_start_loc_cpu, common.seq_lens_cpu
         decode, prefill = [], []
+        split = False
         for i in range(common.num_reqs):
-            (decode if qsl[i + 1] - qsl[i] == 1 else prefill).append(i)
+            q = qsl[i + 1] - qsl[i]
+            if q == 1:
+                decode.append(i)
+            elif q <= SPLIT_MAX_QUERY and lens[i] >= 2 * q:
+                split = True
+                break
+            else:
+                prefill.append(i)
         base = {f.name: getattr(common, f.name) for f in fields(AttentionMetadata)}
+        if split:
+            return cls._split_rows(common, base)
+        return CpuPagedMetadata(**base, decode_reqs=torch.tensor(decode, dtype=torch.int64),
+                                prefill_reqs=torch.tensor(prefill, dtype=torch.int64))
+
+    @staticmethod
+    def _split_rows(common: AttentionMetadata, base: dict) -> CpuPagedMetadata:
+        """One entry per decode token (short rows split, each with its causal length
+        and its request's block-table row), one per prefill row."""
+        qsl, lens = common.query_start_loc_cpu, common.seq_lens_cpu
+        starts, seq_lens, table_rows, decode, prefill = [], [], [], [], []
+        for i in range(common.num_reqs):
+            q = qsl[i + 1] - qsl[i]
+            if q == 1 or (q <= SPLIT_MAX_QUERY and lens[i] >= 2 * q):
+                for j in range(q):
+                    decode.append(len(starts))
+                    starts.append(qsl[i] + j)
+                    seq_lens.append(lens[i] - q + 1 + j)
+                    table_rows.append(i)
+            else:
+                prefill.append(len(starts))
+                starts.append(qsl[i])
+                seq_lens.append(lens[i])
+                table_rows.append(i)
+        starts.append(qsl[common.num_reqs])
+        base.update(num_reqs=len(seq_lens),
+                    query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                    block_table=common.block_table[torch.tensor(table_rows)],
+                    query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, max_query_len=1
+                    if not prefill else common.max_query_len)
         return CpuPagedMetadata(**base, decode_reqs=torch.tensor(decode, dtype=torch.int64),
                                 prefill_reqs=torch.tensor(prefill, dtype=torch.int64))
 

@@ -151,6 +151,11 @@ template <int MR>
 constexpr Q4DirectFn kQ4Row[4] = {q4_bf16_direct<MR, 1>, q4_bf16_direct<MR, 2>,
                                   q4_bf16_direct<MR, 3>, q4_bf16_direct<MR, 4>};
 constexpr const Q4DirectFn* kQ4Direct[4] = {kQ4Row<1>, kQ4Row<2>, kQ4Row<3>, kQ4Row<4>};
+// 5..8 rows (a decode step verifying draft tokens) in one pass over one column block:
+// each weight chunk is decoded once for every row (3 x MR accumulators: 24 registers at
+// MR = 8), where tiles of 4 rows decoded it twice.
+constexpr Q4DirectFn kQ4Tall[4] = {q4_bf16_direct<5, 1>, q4_bf16_direct<6, 1>,
+                                   q4_bf16_direct<7, 1>, q4_bf16_direct<8, 1>};
 
 void q4_bf16_gemm(const QArgs& a, const uint16_t* x) {
   const int64_t chunks = a.K / 32;
@@ -162,6 +167,12 @@ void q4_bf16_gemm(const QArgs& a, const uint16_t* x) {
         const uint16_t* xr = x + m * a.K + kc * 32 + jj;
         xq[(m * chunks + kc) * 16 + jj] = xr[0] | (static_cast<uint32_t>(xr[16]) << 16);
       }
+  if (a.M > 4 && a.M <= 8) {
+    at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) kQ4Tall[a.M - 5](a, xq.get(), 0, nb);
+    });
+    return;
+  }
   constexpr int MR = 4;
   const int NR = a.M == 1 ? 4 : 2;  // as direct_gemm: one row keeps more loads in flight
   at::parallel_for(0, a.N / 16, NR, [&](int64_t begin, int64_t end) {

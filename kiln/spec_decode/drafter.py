@@ -1,0 +1,108 @@
+"""Drafters: what the runner calls after each step to propose the next step's drafts.
+
+`propose(rows, states)` sees the step's forward rows (each request's input tokens) and
+the states of the requests that just sampled (their token lists already hold what they
+emitted). It returns req_id -> draft tokens; the scheduler cuts them to the budget and
+the length limits.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+import torch
+
+from kiln.spec_decode.config import SpeculativeConfig
+from kiln.spec_decode.ngram import NgramProposer
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from kiln.config import CompilationConfig
+    from kiln.models import ModelConfig
+    from kiln.runner.model_runner import CachedRequestState, ModelRunner, StepRow
+
+
+class Drafter(Protocol):
+    def propose(self, rows: Sequence[StepRow], states: Sequence[CachedRequestState]
+                ) -> dict[str, list[int]]: ...
+
+
+class NgramDrafter:
+    """Prompt lookup on each request's own tokens; costs no forward."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+
+    def propose(self, rows: Sequence[StepRow], states: Sequence[CachedRequestState]
+                ) -> dict[str, list[int]]:
+        drafts = {}
+        for s in states:
+            d = self.proposer.propose(s.token_ids)
+            if d:
+                drafts[s.req_id] = d
+        return drafts
+
+
+class DraftModelDrafter:
+    """A smaller model run by its own `ModelRunner` (its own weights, KV cache and
+    compiled graphs, at the target's level), drafting greedily.
+
+    Its KV cache has the target's block count and is addressed through the target's
+    block tables: the draft's KV for position p sits in the same slot as the target's.
+    Every step the draft first runs the target's own rows (so wherever the target has
+    KV, prefix-cache hits included, the draft has it too, for the same tokens); then,
+    per sampling request, it feeds the last emitted token and k - 1 of its own drafts
+    one at a time. Those write up to k - 1 slots past the target's scheduled tokens,
+    which is why the scheduler allocates k lookahead slots per request."""
+
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
+        self.k = config.num_speculative_tokens
+        self.runner = runner
+        self.max_model_len = runner.limits.max_model_len
+
+    @torch.inference_mode()
+    def propose(self, rows: Sequence[StepRow], states: Sequence[CachedRequestState]
+                ) -> dict[str, list[int]]:
+        from kiln.runner.model_runner import StepRow
+
+        r = self.runner
+        r.forward_rows(list(rows))
+        bs = r.limits.block_size
+        cur = [(s, StepRow([s.token_ids[-1]], len(s.token_ids) - 1, s.block_ids))
+               for s in states]
+        drafts: dict[str, list[int]] = {s.req_id: [] for s in states}
+        for _ in range(self.k):
+            # A position past the model's length or the allocated blocks is not drafted.
+            cur = [(s, row) for s, row in cur
+                   if row.start < min(self.max_model_len, len(row.block_ids) * bs)]
+            if not cur:
+                break
+            hidden = r.forward_rows([row for _, row in cur])
+            logits = r.model.compute_logits(hidden[: len(cur)])  # one token per row
+            tokens = logits.argmax(dim=-1).tolist()
+            nxt = []
+            for (s, row), t in zip(cur, tokens):
+                drafts[s.req_id].append(t)
+                nxt.append((s, StepRow([t], row.start + 1, row.block_ids)))
+            cur = nxt
+        return {rid: d for rid, d in drafts.items() if d}
+
+
+def make_drafter(config: SpeculativeConfig, target: ModelRunner,
+                 draft_config: ModelConfig | None, compilation: CompilationConfig | None,
+                 attention_backend: str | None, progress: bool) -> Drafter:
+    """The proposer: n-gram lookup, or a draft model in a runner of its own whose KV cache
+    matches the target's blocks one for one (it reads the target's block tables)."""
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    from kiln.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(draft_config, target.dtype, target.device, target.limits,
+                         num_kv_blocks=target.num_kv_blocks,
+                         attention_backend=attention_backend, compilation=compilation,
+                         progress=progress)
+    logger.info("draft model %s ready (%d KV blocks, its own compiled graphs)",
+                draft_config.architecture, runner.num_kv_blocks)
+    return DraftModelDrafter(config, runner)

@@ -1,0 +1,227 @@
+"""Speculative decoding on tiny random models: greedy outputs equal decoding without it
+(and transformers) under preemption, chunked prefill and prefix hits, at -O0 and -O2;
+the rejection sampler keeps the target distribution; bad configuration fails at start-up.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from conftest import TINY, hf_greedy
+from kiln import LLM, SamplingParams
+from kiln.compiler import compilation_counter
+from kiln.sampling.sampler import SamplerOutput
+from kiln.spec_decode import NgramProposer, SpeculativeConfig, parse_speculative_config
+from kiln.spec_decode.rejection import DraftRows, verify
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+# Repetitive prompts (the drafts find matches), a shared prefix (prefix-cache hits) and a
+# long one (chunked prefill under a small token budget).
+PREFIX = [7, 8, 9, 10, 11, 12, 13, 14] * 3
+PROMPTS = [PREFIX + [5, 6, 7, 8, 5, 6, 7], PREFIX + [3, 4, 3, 4, 3],
+           [20 + (i % 11) for i in range(70)], PREFIX + [40, 41, 42]]
+
+
+def _run(path, prompts, params=GREEDY, **kwargs) -> tuple[LLM, list]:
+    llm = LLM(str(path), dtype="float32", progress=False, max_model_len=128,
+              optimization_level=kwargs.pop("optimization_level", 0), **kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, [o.outputs[0] for o in outs]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_models):
+    path, model = tiny_models["llama"]
+    refs = [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+    return path, refs
+
+
+def test_ngram_proposer_takes_the_longest_latest_match():
+    p = NgramProposer(k=3, lookup_min=1, lookup_max=3)
+    assert p.propose([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2, 3]) == [4, 5, 1]  # latest of two
+    assert p.propose([5, 1, 2, 7, 2, 8, 1, 2]) == [7, 2, 8]  # "1 2" beats the later "2"
+    assert p.propose([1, 2, 3, 4]) == []  # no earlier occurrence of the suffix
+    assert p.propose([4, 1, 2, 4], k=1) == [1]
+    assert NgramProposer(3, 2, 3).propose([9, 4, 1, 2, 4]) == []  # below lookup_min
+
+
+def test_greedy_ngram_equals_plain_decoding_under_preemption_and_prefix_hits(plain):
+    path, refs = plain
+    # 14 usable blocks of 16 tokens for four requests of up to 102 tokens: preemption;
+    # a 48-token budget chunks the 70-token prompt; PREFIX is shared.
+    llm, outs = _run(path, PROMPTS, num_kv_blocks=15, max_num_batched_tokens=48,
+                     speculative_config=NGRAM)
+    assert _tokens(outs) == refs
+    stats = llm.engine.get_stats()
+    spec = stats.spec_decoding
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # accepted and rejected
+    assert spec.num_drafts > 0 and 1.0 < spec.mean_accepted_length <= 5.0
+    assert len(spec.per_position_acceptance) == 4
+    pool = llm.engine.scheduler.kv.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1  # nothing leaked
+
+
+def test_greedy_ngram_at_o2_compiles_nothing_while_serving(plain):
+    path, refs = plain
+    llm = LLM(str(path), dtype="float32", progress=False, max_model_len=128,
+              optimization_level=2, speculative_config=NGRAM)
+    before = compilation_counter.clone()
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert not any(compilation_counter.delta(before).values())
+    assert _tokens([o.outputs[0] for o in outs]) == refs
+    assert llm.engine.get_stats().spec_decoding.num_accepted_tokens > 0
+
+
+def test_stop_token_inside_drafts_max_tokens_and_logprobs_match_plain(plain):
+    path, refs = plain
+    stop = refs[0][9]  # somewhere inside a multi-token step, likely
+    cut = refs[0].index(stop) + 1
+    params = [SamplingParams(temperature=0, max_tokens=27, ignore_eos=True,
+                             stop_token_ids=stops, logprobs=2) for stops in ([stop], [])]
+    _, base = _run(path, PROMPTS[:2], params)
+    _, outs = _run(path, PROMPTS[:2], params, speculative_config=NGRAM)
+    assert _tokens(outs) == _tokens(base)
+    assert outs[0].token_ids == refs[0][:cut] and outs[0].finish_reason == "stop"
+    assert len(outs[1].token_ids) == 27 and outs[1].finish_reason == "length"
+    for o, b in zip(outs, base):
+        assert len(o.logprobs) == len(o.token_ids)
+        for got, want, tok in zip(o.logprobs, b.logprobs, o.token_ids):
+            assert set(got) == set(want)
+            assert got[tok].logprob == pytest.approx(want[tok].logprob, abs=1e-4)
+        assert o.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+
+
+def test_draft_model_drafting_for_itself_accepts_everything(plain):
+    path, refs = plain
+    cfg = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    llm, outs = _run(path, PROMPTS, num_kv_blocks=15, speculative_config=cfg)
+    assert _tokens(outs) == refs
+    spec = llm.engine.get_stats().spec_decoding
+    assert llm.engine.get_stats().num_preemptions > 0
+    assert spec.num_draft_tokens > 50 and spec.acceptance_rate > 0.95
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(plain):
+    path, _ = plain
+    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=s,
+                             ignore_eos=True) for s in (1, 2)]
+    runs = [_tokens(_run(path, PROMPTS[:2], params, speculative_config=NGRAM)[1])
+            for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
+
+
+# ---- the rejection sampler preserves the target distribution ----------------------------
+_CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59]
+
+
+def _chi2(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    cells = [c for c in probs if probs[c] * n >= 5]  # pool the rare cells
+    stat, rest_obs, rest_exp = 0.0, n, n
+    for c in cells:
+        e = probs[c] * n
+        stat += (counts.get(c, 0) - e) ** 2 / e
+        rest_obs -= counts.get(c, 0)
+        rest_exp -= e
+    if rest_exp >= 5:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        cells.append(None)
+    return stat, len(cells) - 1
+
+
+def test_rejection_sampler_emits_the_target_distribution():
+    """Two draft positions against known p: the first emitted token follows p_0, the
+    second (after an accepted first draft) p_1, the bonus p_2."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.6, 0.2, 0.1],
+                          [0.25, 0.25, 0.25, 0.25]])
+    drafts, n = [1, 1], 6000
+    first, second = {}, {}
+    for _ in range(n):
+        sampled = torch.multinomial(probs, 1, generator=g).squeeze(1)
+        out = SamplerOutput(sampled, None, probs)
+        (tokens,) = verify(out, [DraftRows(0, drafts, SamplingParams(temperature=1.0), g)])
+        first[tokens[0]] = first.get(tokens[0], 0) + 1
+        if tokens[0] == drafts[0]:
+            second[tokens[1]] = second.get(tokens[1], 0) + 1
+    stat, df = _chi2(first, dict(enumerate(probs[0].tolist())), n)
+    assert stat < _CHI2_999[df - 1], (first, stat)
+    m = sum(second.values())
+    assert m == pytest.approx(0.3 * n, rel=0.1)  # accepted with p_0(d) = 0.3
+    stat, df = _chi2(second, dict(enumerate(probs[1].tolist())), m)
+    assert stat < _CHI2_999[df - 1], (second, stat)
+
+
+def test_engine_sampling_with_drafts_matches_transformers_distribution(tmp_path):
+    """A tiny model whose prompt holds every token, so the lookup drafts after whatever
+    comes first; the joint law of the first two sampled tokens (top-k 3, temperature 1)
+    over 1,500 samples must fit transformers' probabilities."""
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 48, "initializer_range": 0.08})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(tmp_path)
+    prompt = torch.randperm(48, generator=torch.Generator().manual_seed(1)).tolist()
+    # max_tokens 3: one draft (for the second token) fits before the last token.
+    params = SamplingParams(n=1500, temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    llm = LLM(str(tmp_path), dtype="float32", progress=False, optimization_level=0,
+              max_model_len=64, speculative_config=NGRAM, max_num_seqs=128)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    spec = llm.engine.get_stats().spec_decoding
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    counts: dict = {}
+    for c in out.outputs:
+        key = tuple(c.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+
+    def top3(ids: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        top = logits.topk(3)
+        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+
+    joint = {(a, b): pa * pb for a, pa in top3(prompt).items()
+             for b, pb in top3(prompt + [a]).items()}
+    stat, df = _chi2(counts, joint, 1500)
+    assert stat < _CHI2_999[df - 1], (counts, joint, stat)
+
+
+# ---- configuration -----------------------------------------------------------------------
+@pytest.mark.parametrize("value,field", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+    ("{not json", "JSON"),
+])
+def test_bad_speculative_config_names_the_field(value, field):
+    with pytest.raises(ValueError, match=field):
+        parse_speculative_config(value)
+
+
+def test_config_defaults_and_json():
+    cfg = parse_speculative_config(json.dumps({"method": "ngram",
+                                               "num_speculative_tokens": 3}))
+    assert cfg == SpeculativeConfig("ngram", 3, 3, 5)
+    assert SpeculativeConfig("ngram", 2, prompt_lookup_max=2).prompt_lookup_min == 2
+
+
+def test_draft_with_another_vocabulary_is_a_startup_error(plain, tmp_path):
+    path, _ = plain
+    torch.manual_seed(0)
+    other = transformers.LlamaConfig(**{**TINY, "vocab_size": 256})
+    transformers.AutoModelForCausalLM.from_config(other).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="speculative_config.model.*vocab_size 256"):
+        LLM(str(path), dtype="float32", progress=False, optimization_level=0,
+            speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                "num_speculative_tokens": 2})
