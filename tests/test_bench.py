@@ -320,3 +320,20 @@ def test_structured_overhead(tmp_path, smollm2_dir, capsys):
     assert set(r["overhead"]) == {"mixed", "constrained"}
     assert all(len(v) == 1 and v[0] > 0 for v in r["runs"].values())
     assert "overhead" in capsys.readouterr().out
+
+
+def test_spec_decode_speedup_and_acceptance(tmp_path, smollm2_dir, capsys):
+    """`kiln bench spec`: base vs n-gram speculation at batch 1 on both workloads, on a
+    tiny chat model with SmolLM2's tokenizer; greedy outputs must be identical."""
+    from server_utils import make_tiny_chat_model
+
+    model = make_tiny_chat_model(tmp_path / "chat", smollm2_dir)
+    r = bench(tmp_path, "spec", "--model", str(model), "-O0", "--output-len", "12",
+              "--repeats", "1", "--speculative-config",
+              '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+    assert r["mode"] == "spec" and r["identical"] is True
+    assert set(r["speedup"]) == {"grounded", "chat"} and all(v > 0 for v in r["speedup"].values())
+    # A random model rarely repeats its prompt: the numbers are the harness's, not a bar.
+    assert len(r["acceptance"]["grounded"]["per_position_acceptance"]) == 3
+    assert all(len(c) == 1 for w in r["runs"].values() for c in w.values())
+    assert "speedup" in capsys.readouterr().out

@@ -13,6 +13,7 @@ import transformers
 from conftest import TINY, hf_greedy
 from kiln import LLM, SamplingParams
 from kiln.compiler import compilation_counter
+from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.sampling.sampler import SamplerOutput
 from kiln.spec_decode import NgramProposer, SpeculativeConfig, parse_speculative_config
 from kiln.spec_decode.rejection import DraftRows, verify
@@ -69,6 +70,11 @@ def test_greedy_ngram_equals_plain_decoding_under_preemption_and_prefix_hits(pla
     assert len(spec.per_position_acceptance) == 4
     pool = llm.engine.scheduler.kv.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1  # nothing leaked
+    text = ServerMetrics(llm.engine.get_stats).render().decode()  # what /metrics serves
+    assert f"kiln:spec_decode_num_accepted_tokens_total {spec.num_accepted_tokens}.0" in text
+    assert f"kiln:spec_decode_num_draft_tokens_total {spec.num_draft_tokens}.0" in text
+    assert 'kiln:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
+    assert "kiln:spec_decode_mean_accepted_length" in text
 
 
 def test_greedy_ngram_at_o2_compiles_nothing_while_serving(plain):

@@ -2,7 +2,9 @@
 
 Per-request numbers (finishes, tokens, TTFT, inter-token latency, end-to-end latency) are
 pushed by the engine thread through the `StatsObserver` methods. Scheduler numbers
-(running, waiting, KV usage, prefix-cache counters, preemptions) are read at scrape time
+(running, waiting, KV usage, prefix-cache counters, preemptions, and with speculative
+decoding `kiln:spec_decode_*`: drafts, draft and accepted tokens, accepted per position,
+acceptance rate, mean accepted length) are read at scrape time
 from the snapshot the engine thread publishes after each step, so scraping never touches
 the engine itself; requests per LoRA adapter (`kiln:lora_requests_total{lora_name}`) come
 from a copy of the engine's counts published the same way.
@@ -21,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kiln.scheduler import SchedulerStats
+from kiln.spec_decode import SpecDecodingStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -53,6 +56,29 @@ class _SchedulerCollector(Collector):
                                 value=s.prefix_cache_hit_rate)
         yield CounterMetricFamily("kiln:num_preemptions", "Preemptions since start.",
                                   value=s.num_preemptions)
+        if s.spec_decoding is not None:
+            yield from _spec_metrics(s.spec_decoding)
+
+
+def _spec_metrics(sd: SpecDecodingStats) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters, plus the derived rates."""
+    yield CounterMetricFamily("kiln:spec_decode_num_drafts", "Request-steps that verified "
+                              "draft tokens.", value=sd.num_drafts)
+    yield CounterMetricFamily("kiln:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                              value=sd.num_draft_tokens)
+    yield CounterMetricFamily("kiln:spec_decode_num_accepted_tokens", "Draft tokens "
+                              "accepted.", value=sd.num_accepted_tokens)
+    per_pos = CounterMetricFamily("kiln:spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafts whose token at this position was accepted.",
+                                  labels=["position"])
+    for i, n in enumerate(sd.accepted_per_pos):
+        per_pos.add_metric([str(i)], n)
+    yield per_pos
+    yield GaugeMetricFamily("kiln:spec_decode_acceptance_rate", "Accepted / drafted tokens "
+                            "since start.", value=sd.acceptance_rate)
+    yield GaugeMetricFamily("kiln:spec_decode_mean_accepted_length", "Tokens emitted per "
+                            "verification, the bonus token included.",
+                            value=sd.mean_accepted_length)
 
 
 class _LoRACollector(Collector):
