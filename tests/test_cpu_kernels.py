@@ -42,7 +42,7 @@ def test_pack_layout_matches_its_definition():
         assert wp[nb, kc, r, 2 * n + i] == w[16 * nb + n, 32 * kc + 2 * r + i]
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 33, 70])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 33, 70])  # 5-8: tall tiles
 # (32, 4096): x rows of 16 KiB, so the AVX2 panel kernel splits 33 and 70 rows into
 # several row blocks; 33 and 70 also leave partial 6-row tiles.
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (80, 64), (832, 576), (32, 4096)])

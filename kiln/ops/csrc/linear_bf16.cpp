@@ -97,9 +97,34 @@ constexpr MicroFn kRow[4] = {micro<MR, 1>, micro<MR, 2>, micro<MR, 3>, micro<MR,
 constexpr const MicroFn* kMicro[4] = {kRow<1>, kRow<2>, kRow<3>, kRow<4>};
 static_assert(kMR <= 4 && kNR <= 4, "kMicro covers register tiles up to 4 x 4");
 
+// 5..8 rows (a decode step verifying draft tokens) in one tile: each weight row is loaded
+// once for all of them, where 4-row tiles loaded it twice. Column blocks per tile: as many
+// as keep MR x NR accumulators within 24 of the 32 AVX512 registers (one on AVX2).
+constexpr MicroFn kTall5[4] = {micro<5, 1>, micro<5, 2>, micro<5, 3>, micro<5, 4>};
+constexpr MicroFn kTall6[4] = {micro<6, 1>, micro<6, 2>, micro<6, 3>, micro<6, 4>};
+constexpr MicroFn kTall7[3] = {micro<7, 1>, micro<7, 2>, micro<7, 3>};
+constexpr MicroFn kTall8[3] = {micro<8, 1>, micro<8, 2>, micro<8, 3>};
+constexpr const MicroFn* kTall[4] = {kTall5, kTall6, kTall7, kTall8};
+
+void tall_gemm(const uint16_t* x, const float* xf, const uint16_t* wp,
+               const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K,
+               int64_t N) {
+  const int64_t NR = kNR == 1 ? 1 : (M <= 6 ? 4 : 3);
+  at::parallel_for(0, N / 16, NR, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; nb += NR) {
+      const int64_t nr = std::min<int64_t>(NR, end - nb);
+      kTall[M - 5][nr - 1](x, xf, wp, bias, y, K, N, 0, nb);
+    }
+  });
+}
+
 void tile_gemm(const uint16_t* x, const float* xf, const uint16_t* wp,
                const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K,
                int64_t N) {
+  if (M >= 5 && M <= 8) {
+    tall_gemm(x, xf, wp, bias, y, M, K, N);
+    return;
+  }
   // Threads split the column blocks: each weight line is read by one thread only.
   at::parallel_for(0, N / 16, kNR, [&](int64_t begin, int64_t end) {
     for (int64_t mb = 0; mb < M; mb += kMBlock) {
