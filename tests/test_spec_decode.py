@@ -117,6 +117,20 @@ def test_draft_model_drafting_for_itself_accepts_everything(plain):
     assert spec.num_draft_tokens > 50 and spec.acceptance_rate > 0.95
 
 
+def test_draft_lookahead_never_needs_more_than_max_model_len(plain):
+    """A cache that holds exactly one max_model_len request: the draft's lookahead slots
+    stop at max_model_len, so the request still runs to the end (it could not otherwise
+    be scheduled even alone)."""
+    path, _ = plain
+    cfg = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    llm = LLM(str(path), dtype="float32", progress=False, optimization_level=0,
+              max_model_len=64, num_kv_blocks=5, speculative_config=cfg)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[2][:30]}],
+                          SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                          use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 34 and out.outputs[0].finish_reason == "length"
+
+
 def test_seeded_sampling_with_drafts_is_reproducible(plain):
     path, _ = plain
     params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=s,

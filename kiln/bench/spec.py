@@ -90,7 +90,7 @@ def run_spec(make_llm: Callable[[bool], Any], output_len: int, repeats: int
                 if rep:
                     runs[workload][case].append(tok_s)
                 if case == "spec" and rep == repeats:
-                    acceptance[workload] = _delta(stats.snapshot(), before).as_dict()
+                    acceptance[workload] = stats.since(before).as_dict()
             identical &= outputs["base"] == outputs["spec"]
     med = {w: {c: statistics.median(v) for c, v in cases.items()}
            for w, cases in runs.items()}
@@ -102,16 +102,6 @@ def run_spec(make_llm: Callable[[bool], Any], output_len: int, repeats: int
             "runs": runs, "median_tok_s": med,
             "speedup": {w: m["spec"] / m["base"] for w, m in med.items()},
             "acceptance": acceptance, "identical": identical}
-
-
-def _delta(after: Any, before: Any) -> Any:
-    from kiln.spec_decode import SpecDecodingStats
-
-    return SpecDecodingStats(after.num_spec_tokens, after.num_drafts - before.num_drafts,
-                             after.num_draft_tokens - before.num_draft_tokens,
-                             after.num_accepted_tokens - before.num_accepted_tokens,
-                             [a - b for a, b in zip(after.accepted_per_pos,
-                                                    before.accepted_per_pos)])
 
 
 def format_spec(r: dict[str, Any]) -> str:

@@ -181,6 +181,12 @@ class Scheduler:
         self._grammar_bitmask(out)
         return out
 
+    def _lookahead(self, num_tokens: int) -> int:
+        """Lookahead slots past `num_tokens` (a draft model's writes), never past
+        max_model_len: start-up checked that a request of that length fits the cache, so
+        a request alone can always be scheduled."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens))
+
     def _usable_drafts(self, request: Request) -> list[int]:
         """The request's drafts, cut so that verified tokens never pass max_model_len
         nor max_tokens (the bonus token counts too)."""
@@ -246,7 +252,7 @@ class Scheduler:
         if not self._fits(request, num_computed + num_new, len(computed)):
             return False
         if self.kv.allocate_slots(request, num_new, computed,
-                                  self.num_lookahead_tokens) is None:
+                                  self._lookahead(num_computed + num_new)) is None:
             return False
         if request.num_computed_tokens == 0:
             self.kv.record_lookup(request.num_tokens, num_computed)
@@ -280,7 +286,8 @@ class Scheduler:
                              step: _Step) -> list[KVCacheBlock] | None:
         while True:
             blocks = self.kv.allocate_slots(request, num_new,
-                                            num_lookahead=self.num_lookahead_tokens)
+                                            num_lookahead=self._lookahead(
+                                                request.num_computed_tokens + num_new))
             if blocks is not None:
                 return blocks
             victim = self._pick_victim()

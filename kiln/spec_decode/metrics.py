@@ -43,6 +43,14 @@ class SpecDecodingStats:
         return [a / self.num_drafts if self.num_drafts else 0.0
                 for a in self.accepted_per_pos]
 
+    def since(self, before: SpecDecodingStats) -> SpecDecodingStats:
+        """What was counted after the snapshot `before` (one workload of a benchmark)."""
+        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts - before.num_drafts,
+                                 self.num_draft_tokens - before.num_draft_tokens,
+                                 self.num_accepted_tokens - before.num_accepted_tokens,
+                                 [a - b for a, b in zip(self.accepted_per_pos,
+                                                        before.accepted_per_pos)])
+
     def snapshot(self) -> SpecDecodingStats:
         return SpecDecodingStats(self.num_spec_tokens, self.num_drafts,
                                  self.num_draft_tokens, self.num_accepted_tokens,
