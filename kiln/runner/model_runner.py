@@ -263,17 +263,16 @@ class ModelRunner:
                                    else 1)
         out = ModelRunnerOutput(req_ids, [])
         sampled: dict[str, list[int]] = {}
-        if sample_ids:
+        states = [self.requests[rid] for rid in sample_ids]
+        if states:
             indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-            states = [self.requests[rid] for rid in sample_ids]
             sampled = sample_step(self, hidden[indices], states, out, so)
         out.sampled_token_ids = [sampled.get(rid, []) for rid in req_ids]
         out.prompt_logprobs = compute_prompt_logprobs(
             self.model.compute_logits, hidden, [self.requests[rid] for rid in req_ids],
             so.num_scheduled_tokens, self.query_start_loc.np)
         if self.drafter is not None:  # drafts for the next step, from the tokens just taken
-            out.spec_token_ids = self.drafter.propose(
-                rows, [self.requests[rid] for rid in sample_ids])
+            out.spec_token_ids = self.drafter.propose(rows, states)
         return out
 
     def _step_rows(self, req_ids: list[str], so: SchedulerOutput

@@ -70,9 +70,10 @@ def sample_step(runner: ModelRunner, hidden: torch.Tensor, states: list[CachedRe
     result = runner.sampler(logits, md, keep=spec)
     if spec:
         tokens, chosen_rows = _verify(result, states)
-    else:
-        tokens, chosen_rows = [[t] for t in result.sampled.tolist()], list(range(len(states)))
-    tokens = _broadcast_tokens(tokens, runner.device)
+        tokens = _broadcast_tokens(tokens, runner.device)
+    else:  # one token per request: rank 0's sampled tensor as it is
+        sampled_ids = get_tp_group().broadcast(result.sampled, src=0).tolist()
+        tokens, chosen_rows = [[t] for t in sampled_ids], list(range(len(states)))
     _logprobs(result, md, states, tokens, chosen_rows, out, spec)
     sampled: dict[str, list[int]] = {}
     for state, emitted in zip(states, tokens):
@@ -90,15 +91,15 @@ def _verify(result, states: list[CachedRequestState]) -> tuple[list[list[int]], 
 
 
 def _broadcast_tokens(tokens: list[list[int]], device: torch.device) -> list[list[int]]:
-    """Every rank sampled the same gathered logits; rank 0's tokens become everyone's so
-    the ranks' next inputs can never diverge (e.g. an unseeded random draw)."""
+    """Every rank verified the same gathered logits; rank 0's tokens (1..k+1 per request,
+    padded with -1 to one width) become everyone's, so the ranks' next inputs can never
+    diverge (e.g. an unseeded random draw)."""
     group = get_tp_group()
     if group.world_size == 1:
         return tokens
     width = max(len(t) for t in tokens)
-    flat = torch.full((len(tokens), width), -1, dtype=torch.int64, device=device)
-    for i, t in enumerate(tokens):
-        flat[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+    flat = torch.tensor([t + [-1] * (width - len(t)) for t in tokens], dtype=torch.int64,
+                        device=device)
     flat = group.broadcast(flat, src=0).tolist()
     return [[t for t in row if t >= 0] for row in flat]
 

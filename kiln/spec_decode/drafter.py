@@ -60,7 +60,6 @@ class DraftModelDrafter:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
         self.k = config.num_speculative_tokens
         self.runner = runner
-        self.max_model_len = runner.limits.max_model_len
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[StepRow], states: Sequence[CachedRequestState]
@@ -69,14 +68,14 @@ class DraftModelDrafter:
 
         r = self.runner
         r.forward_rows(list(rows))
-        bs = r.limits.block_size
+        bs, max_len = r.limits.block_size, r.limits.max_model_len
         cur = [(s, StepRow([s.token_ids[-1]], len(s.token_ids) - 1, s.block_ids))
                for s in states]
         drafts: dict[str, list[int]] = {s.req_id: [] for s in states}
         for _ in range(self.k):
             # A position past the model's length or the allocated blocks is not drafted.
             cur = [(s, row) for s, row in cur
-                   if row.start < min(self.max_model_len, len(row.block_ids) * bs)]
+                   if row.start < min(max_len, len(row.block_ids) * bs)]
             if not cur:
                 break
             hidden = r.forward_rows([row for _, row in cur])
