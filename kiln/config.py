@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:
     from kiln.lora import LoRAConfig
     from kiln.spec_decode import SpeculativeConfig
+    from kiln.kv_transfer import KVTransferConfig
 
 from kiln.graphs.mode import CUDAGraphMode
 
@@ -173,6 +174,9 @@ class EngineConfig:
     # Speculative decoding (kiln.spec_decode), vLLM's names: {"method": "ngram" |
     # "draft_model", "num_speculative_tokens": k, ...}, as a dict, JSON string or config
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # KV connector (kiln.kv_transfer), vLLM's names: {"kv_connector": "disk" |
+    # "torch_distributed", "kv_role": ..., "kv_connector_extra_config": {...}}
+    kv_transfer_config: KVTransferConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -221,9 +225,19 @@ class EngineConfig:
             raise ValueError("speculative_config.method='draft_model' runs with "
                              "tensor_parallel_size=1 only (the draft is not sharded); use "
                              "method 'ngram' with tensor parallelism, or -tp 1")
+        self._validate_kv_transfer()
         self.compilation = _compilation(self.compilation)
         self.compilation.validate(self.max_num_batched_tokens)
         self._apply_level()
+
+    def _validate_kv_transfer(self) -> None:
+        from kiln.kv_transfer import parse_kv_transfer_config
+
+        self.kv_transfer_config = parse_kv_transfer_config(self.kv_transfer_config)
+        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_transfer_config runs with tensor_parallel_size=1 only (the "
+                             "scheduler side reads every block it loads, and ranks hold "
+                             "different heads); use -tp 1")
 
     def _validate_parallel(self) -> None:
         """What can be checked before the model is known; heads and sizes are checked

@@ -74,6 +74,9 @@ class InProcessExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
+    def shutdown(self) -> None:
+        self.worker.close()  # saves in flight land before the engine goes
+
 
 class ExternalLauncherExecutor(InProcessExecutor):
     """One rank of a `torchrun` job: the world is the job (RANK, WORLD_SIZE, LOCAL_RANK,

@@ -44,6 +44,7 @@ class RunnerSpec:
     lora: LoRAConfig | None = None
     speculative: SpeculativeConfig | None = None
     draft_model_config: ModelConfig | None = None
+    kv_transfer: tuple[Any, dict] | None = None  # (KVTransferConfig, model fingerprint)
 
 
 def cpu_threads_per_rank(local_ranks: int) -> int:
@@ -67,7 +68,8 @@ class Worker:
                                   compilation=spec.compilation, progress=spec.progress,
                                   quantization=spec.quantization, lora=spec.lora,
                                   speculative=spec.speculative,
-                                  draft_model_config=spec.draft_model_config)
+                                  draft_model_config=spec.draft_model_config,
+                                  kv_transfer=spec.kv_transfer)
         self.step_s = 0.0
         self.steps = 0
 
@@ -83,6 +85,19 @@ class Worker:
         r = self.runner
         return {"kv_spec": r.kv_spec, "num_kv_blocks": r.num_kv_blocks,
                 "attention_backend": r.attn_backend_cls.name}
+
+    def flush_kv_saves(self) -> dict[str, float]:
+        """Wait for the KV connector's saves in flight; their counters since the last
+        step."""
+        c = self.runner.kv_connector
+        if c is None:
+            return {}
+        c.store.flush()
+        return c.take_worker_stats()
+
+    def close(self) -> None:
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.close()
 
     def lora_report(self) -> dict[str, Any]:
         """Adapters in slots and in the CPU cache, and how often they were loaded."""

@@ -19,7 +19,8 @@ from kiln.lora.registry import AdapterRegistry
 from kiln.distributed.executor import Executor, make_executor
 from kiln.distributed.worker import RunnerSpec
 from kiln.engine.setup import (check_draft_model, check_kv_capacity, check_tensor_parallel,
-                               load_tokenizer, resolve_dtype, resolve_max_model_len)
+                               kv_fingerprint, load_tokenizer, resolve_dtype,
+                               resolve_max_model_len, scheduler_connector)
 from kiln.models import ModelConfig, model_class
 from kiln.models.model_source import gguf_source, resolve_model
 from kiln.quantization import resolve_quantization
@@ -67,11 +68,14 @@ class LLMEngine:
         self.speculative = sc = config.speculative_config
         draft_mc = None if sc is None or not sc.uses_draft_kv else \
             check_draft_model(sc, mc, self.tokenizer, progress)
+        kvt = config.kv_transfer_config
+        fingerprint = None if kvt is None else kv_fingerprint(path, gguf_source(config.model))
         spec = RunnerSpec(mc, self.dtype, config.device, limits, config.seed,
                           config.kv_cache_memory, config.num_kv_blocks,
                           config.attention_backend, config.compilation, progress,
                           quantization=qc, lora=self.lora_config, speculative=sc,
-                          draft_model_config=draft_mc)
+                          draft_model_config=draft_mc,
+                          kv_transfer=None if kvt is None else (kvt, fingerprint))
         self.executor: Executor = make_executor(config.distributed_executor_backend,
                                                 config.tensor_parallel_size, spec)
         # Workers stop with the engine: garbage-collected, or at interpreter exit.
@@ -84,7 +88,11 @@ class LLMEngine:
             raise
         kv = KVCacheManager(self.executor.kv_spec, self.executor.num_kv_blocks,
                             enable_caching=config.enable_prefix_caching)
-        self._hasher = BlockHasher(config.block_size) if config.enable_prefix_caching else None
+        # Block hashes also name blocks in a KV connector's tier.
+        self._hasher = BlockHasher(config.block_size) \
+            if config.enable_prefix_caching or kvt is not None else None
+        self.kv_connector = None if kvt is None else scheduler_connector(
+            kvt, fingerprint, self.executor.kv_spec, mc.num_layers, qc)
         policy = SchedulerPolicy(config.scheduling_policy, config.long_prefill_token_threshold,
                                  config.full_sequence_must_fit)
         self.scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs,
@@ -95,13 +103,15 @@ class LLMEngine:
                                    spec_stats=None if sc is None else
                                    SpecDecodingStats(sc.num_speculative_tokens),
                                    num_lookahead_tokens=sc.num_speculative_tokens
-                                   if sc is not None and sc.uses_draft_kv else 0)
+                                   if sc is not None and sc.uses_draft_kv else 0,
+                                   kv_connector=self.kv_connector)
         self._last_stats_log = time.monotonic()
         self.output_processor = OutputProcessor(self.tokenizer, token_namer(self.tokenizer))
         self.load_time_s = time.perf_counter() - start
-        logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d, quantization %s%s",
+        logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d, quantization %s%s%s",
                     self.load_time_s, mc.architecture, self.dtype, self.max_model_len,
-                    qc.method or "none", f", speculative {sc.describe()}" if sc else "")
+                    qc.method or "none", f", speculative {sc.describe()}" if sc else "",
+                    f", KV connector {kvt.describe()}" if kvt else "")
 
     @property
     def runner(self) -> Any:
@@ -128,8 +138,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | dict[str, Any],
                     params: SamplingParams | None = None, *, priority: int = 0,
                     cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> None:
         params = params or SamplingParams()
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise ValueError("kv_transfer_params must be a dict such as "
+                             "{\"do_remote_prefill\": true}")
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
@@ -146,7 +160,8 @@ class LLMEngine:
             raise ValueError(f"request id(s) {taken} are already in use")
         for rid, child in self.output_processor.add(request_id, text, ids, params):
             request = Request(rid, ids, child, eos, priority=priority, cache_salt=cache_salt,
-                              lora_request=lora_request, block_hasher=self._hasher)
+                              lora_request=lora_request, block_hasher=self._hasher,
+                              kv_transfer_params=kv_transfer_params)
             if grammar is not None:  # each sample walks the grammar on its own
                 request.structured = self.scheduler.structured.new_request(so, grammar)
             self.scheduler.add_request(request)
@@ -220,8 +235,15 @@ class LLMEngine:
 
     def get_stats(self) -> SchedulerStats:
         """Running/waiting counts, KV usage, prefix-cache queries and hits, preemptions,
-        and with speculative decoding its acceptance statistics (`spec_decoding`)."""
+        with speculative decoding its acceptance statistics (`spec_decoding`), with a KV
+        connector what it loaded and saved (`kv_transfer`)."""
         return self.scheduler.make_stats()
+
+    def flush_kv_saves(self) -> None:
+        """Wait until the KV connector's saves in flight are stored (and counted)."""
+        if self.kv_connector is not None:
+            for counters in self.executor.collective_rpc("flush_kv_saves"):
+                self.kv_connector.update_connector_output(counters)
 
     def _maybe_log_stats(self) -> None:
         interval = self.config.log_stats_interval_s
@@ -243,9 +265,9 @@ class LLMEngine:
         so = self.scheduler.schedule()
         if so.is_empty and not (so.finished_req_ids or so.preempted_req_ids):
             # Nothing to run or tell the workers: every waiting request's grammar is still
-            # compiling. Wait for one (briefly) rather than spin against the compile.
+            # compiling, or its KV still arriving. Wait (briefly) rather than spin.
             runner_out = ModelRunnerOutput([], [])
-            self.scheduler.wait_for_grammars(timeout_s=0.05)
+            self.scheduler.idle_wait(timeout_s=0.05)
         else:
             runner_out = self.executor.execute(so)
         self._maybe_log_stats()

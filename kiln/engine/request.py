@@ -43,13 +43,14 @@ class Request:
                  "arrival_time", "output_token_ids", "all_token_ids", "num_computed_tokens",
                  "status", "stop_reason", "num_preemptions", "priority", "cache_salt",
                  "block_hashes", "_block_hasher", "lora_request", "structured",
-                 "spec_token_ids")
+                 "spec_token_ids", "kv_transfer_params")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
                  arrival_time: float | None = None, *, priority: int = 0,
                  cache_salt: str | None = None, lora_request: LoRARequest | None = None,
-                 block_hasher: Callable[[Request], None] | None = None) -> None:
+                 block_hasher: Callable[[Request], None] | None = None,
+                 kv_transfer_params: dict | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -69,6 +70,9 @@ class Request:
         # Draft tokens proposed after its last step, verified in the next one; never part
         # of all_token_ids (so never hashed into the prefix cache) until accepted.
         self.spec_token_ids: list[int] = []
+        # KV connector options of this request (vLLM's name): {"do_remote_prefill":
+        # true} makes a decode instance wait for the prompt's KV from a prefill instance.
+        self.kv_transfer_params = kv_transfer_params
         self._block_hasher = block_hasher
         if block_hasher is not None:
             block_hasher(self)

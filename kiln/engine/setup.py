@@ -123,3 +123,26 @@ def check_draft_model(sc: Any, target: ModelConfig, tokenizer: Any,
                          "than the target (same size, other tokens): the draft must share "
                          "the target's tokenizer")
     return draft
+
+
+def kv_fingerprint(path: Path, gguf: Path | None) -> dict[str, Any]:
+    """What names the weights for a KV connector's namespace: the checkpoint directory,
+    and the GGUF file behind it when there is one (its blocks may be run natively)."""
+    from kiln.kv_transfer import model_fingerprint
+
+    out = {"checkpoint": model_fingerprint(path)}
+    if gguf is not None:
+        out["gguf"] = model_fingerprint(gguf)
+    return out
+
+
+def scheduler_connector(config: Any, fingerprint: dict[str, Any], kv_spec: Any,
+                        num_layers: int, quantization: Any) -> Any:
+    """The scheduler side of the KV connector, with the namespace the worker derives
+    from the same fields (`ModelRunner._make_connector`)."""
+    from kiln.kv_transfer import KVConnectorRole, make_connector, make_layout
+
+    layout = make_layout(fingerprint, num_layers=num_layers, block_size=kv_spec.block_size,
+                         num_kv_heads=kv_spec.num_kv_heads, head_size=kv_spec.head_size,
+                         dtype=kv_spec.dtype, quantization=quantization.cache_key())
+    return make_connector(config, KVConnectorRole.SCHEDULER, layout)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from kiln.attention import AttentionMetadata, select_backend
 from kiln.compiler import compile_model, default_cache_root
 from kiln.config import CompilationConfig, CompilationMode
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
+from kiln.kv_transfer import KVConnectorRole, make_connector, make_layout
 from kiln.graphs import CUDAGraphMode, capture_phase
 from kiln.lora import LoRAConfig, LoRARequest
 from kiln.lora.manager import LoRAManager
@@ -42,6 +43,7 @@ from kiln.sampling import Sampler, SamplingParams
 from kiln.runner.sample_step import sample_step
 from kiln.scheduler import FullAttentionSpec, ModelRunnerOutput, SchedulerOutput
 from kiln.spec_decode import SpeculativeConfig
+from kiln.kv_transfer import KVTransferConfig
 from kiln.spec_decode.drafter import make_drafter
 
 logger = logging.getLogger(__name__)
@@ -88,7 +90,8 @@ class ModelRunner:
                  quantization: QuantizationConfig | None = None,
                  lora: LoRAConfig | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 draft_model_config: ModelConfig | None = None) -> None:
+                 draft_model_config: ModelConfig | None = None,
+                 kv_transfer: tuple[KVTransferConfig, dict] | None = None) -> None:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
         if device.type == "cpu":
             # Before tracing: whether the graph calls kiln's kernels is decided at trace time.
@@ -148,6 +151,17 @@ class ModelRunner:
             self.capture_model(progress)
         self.drafter = None if speculative is None else make_drafter(
             speculative, self, draft_model_config, compilation, attention_backend, progress)
+        self.kv_connector = None if kv_transfer is None else self._make_connector(*kv_transfer)
+
+    def _make_connector(self, config: KVTransferConfig, fingerprint: dict) -> Any:
+        """The worker side of the KV connector, keyed by this rank's cache layout (the
+        engine's scheduler side derives the same namespace from the same fields)."""
+        s = self.kv_spec
+        layout = make_layout(fingerprint, num_layers=len(self.kv_caches),
+                             block_size=s.block_size, num_kv_heads=s.num_kv_heads,
+                             head_size=s.head_size, dtype=s.dtype,
+                             quantization=self.quantization.cache_key())
+        return make_connector(config, KVConnectorRole.WORKER, layout)
 
     @torch.inference_mode()
     def _compile_now(self) -> None:
@@ -259,9 +273,17 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         req_ids = list(so.num_scheduled_tokens)
         rows, logits_indices, sample_ids = self._step_rows(req_ids, so)
+        meta = so.kv_connector_metadata if self.kv_connector is not None else None
+        if meta is not None:
+            self.kv_connector.start_load_kv(meta, self._kv_buffer)
         hidden = self.forward_rows(rows, self._spec_k + 1 if so.scheduled_spec_decode_tokens
                                    else 1)
         out = ModelRunnerOutput(req_ids, [])
+        if meta is not None:  # the blocks this step filled, copied out before any reuse
+            for layer, kv in enumerate(self.kv_caches):
+                self.kv_connector.save_kv_layer(layer, kv, meta)
+            self.kv_connector.wait_for_save(meta)
+            out.kv_connector_stats = self.kv_connector.take_worker_stats()
         sampled: dict[str, list[int]] = {}
         states = [self.requests[rid] for rid in sample_ids]
         if states:

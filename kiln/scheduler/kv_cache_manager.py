@@ -56,16 +56,21 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: list[KVCacheBlock] | None = None,
-                       num_lookahead: int = 0) -> list[KVCacheBlock] | None:
+                       num_lookahead: int = 0,
+                       num_external_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request`, after taking the
         prefix-cache hits `computed` (only for a request that holds no blocks yet), plus
         `num_lookahead` slots beyond them that a draft model writes ahead (never cached).
+        `num_external_tokens` (whole blocks, right after the hits) are loaded by a KV
+        connector before this step's forward: they get new blocks, cached like computed
+        ones (their KV is in place before any later step can read it through a hit).
 
         Returns the newly allocated blocks (possibly none), or None when the pool cannot
         supply them; in that case nothing changes."""
         computed = computed or []
         blocks = self.req_to_blocks.get(request.request_id, [])
-        done = request.num_computed_tokens + len(computed) * self.block_size
+        done = request.num_computed_tokens + len(computed) * self.block_size \
+            + num_external_tokens
         needed = -(-(done + num_new_tokens + num_lookahead) // self.block_size) \
             - len(blocks) - len(computed)
         # Hits that sit in the free queue stop being allocatable once touched.

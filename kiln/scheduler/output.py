@@ -5,9 +5,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from kiln.lora.request import LoRARequest
 from kiln.sampling.logprobs import LogprobsLists
 from kiln.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.kv_transfer.base import KVConnectorMetadata
 
 
 @dataclass(slots=True)
@@ -51,6 +56,8 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens scheduled after its real tokens
     # (counted in num_scheduled_tokens); absent for requests without drafts this step.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV connector: the blocks to load before this step's forward and to save after it.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -69,3 +76,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
     # req_id -> draft tokens proposed for its next step (speculative decoding only).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # KV connector: the worker side's counters for this step (blocks saved, failures).
+    kv_connector_stats: dict[str, float] | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequ
                                    SchedulerOutput)
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that serve a constraint
+    from kiln.kv_transfer import KVConnector, KVTransferStats
     from kiln.spec_decode import SpecDecodingStats
     from kiln.structured_output.manager import StructuredOutputManager
 
@@ -52,6 +54,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec_decoding: SpecDecodingStats | None = None  # None: speculation is off
+    kv_transfer: KVTransferStats | None = None  # None: no KV connector
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -64,7 +67,8 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int,
                  policy: SchedulerPolicy | None = None, max_loras: int = 0,
                  spec_stats: SpecDecodingStats | None = None,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0,
+                 kv_connector: KVConnector | None = None) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -75,6 +79,8 @@ class Scheduler:
         # request's scheduled tokens that a draft model writes when it proposes.
         self.spec_stats = spec_stats
         self.num_lookahead_tokens = num_lookahead_tokens
+        # The scheduler side of a KV connector: external prefix hits and what to save.
+        self.connector = kv_connector
         # Set by the engine on the first constrained request.
         self.structured: StructuredOutputManager | None = None
         self.errors: dict[str, str] = {}  # req_id -> why it failed alone (taken by the engine)
@@ -125,14 +131,19 @@ class Scheduler:
         s = self.kv.stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, s.queries,
                               s.hits, self.num_preemptions,
-                              self.spec_stats.snapshot() if self.spec_stats else None)
+                              self.spec_stats.snapshot() if self.spec_stats else None,
+                              self.connector.stats.snapshot() if self.connector else None)
 
-    def wait_for_grammars(self, timeout_s: float) -> None:
-        """Block until a waiting request's grammar compile finishes, or the timeout."""
+    def idle_wait(self, timeout_s: float) -> None:
+        """Nothing could be scheduled: block until a waiting request's grammar compile
+        finishes (or the timeout), or nap briefly while requests wait for KV that another
+        instance publishes (never a busy loop against the work being waited for)."""
         pending = [r.structured.future for r in self.waiting
                    if r.structured is not None and r.structured.matcher is None]
         if pending:
             futures.wait(pending, timeout=timeout_s, return_when=futures.FIRST_COMPLETED)
+        elif self.connector is not None and self.connector.is_waiting_for_remote():
+            time.sleep(min(timeout_s, 0.005))
 
     def take_errors(self) -> list[EngineCoreOutput]:
         """Requests that failed alone since the last call, as final outputs."""
@@ -140,6 +151,8 @@ class Scheduler:
         return [EngineCoreOutput(rid, [], "error", msg) for rid, msg in errors.items()]
 
     def _free(self, request: Request) -> None:
+        if self.connector is not None:  # its saves copy blocks out: nothing to defer
+            self.connector.request_finished(request)
         self.kv.free(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -179,6 +192,9 @@ class Scheduler:
             request.num_computed_tokens += n
             request.spec_token_ids = []
         self._grammar_bitmask(out)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(
+                [(self.requests[rid], self.kv.get_block_ids(rid)) for rid in step.scheduled])
         return out
 
     def _lookahead(self, num_tokens: int) -> int:
@@ -223,7 +239,10 @@ class Scheduler:
             lid = request.lora_int_id
             if lid and lid not in adapters and len(adapters) >= self.max_loras:
                 continue
-            if not self._admit(request, step):
+            admitted = self._admit(request, step)
+            if admitted is None:
+                continue  # its KV is still on the way from another instance
+            if not admitted:
                 return
             if lid:
                 adapters.add(lid)
@@ -243,19 +262,33 @@ class Scheduler:
             num_new = min(num_new, threshold)  # alone, a request may take the whole budget
         return min(num_new, step.budget)
 
-    def _admit(self, request: Request, step: _Step) -> bool:
+    def _admit(self, request: Request, step: _Step) -> bool | None:
+        """Admit `request` if its blocks fit: True; False stops admission this step;
+        None passes over it (its KV is still arriving from another instance)."""
         computed: list[KVCacheBlock] = []
         num_computed = request.num_computed_tokens
+        num_external = 0  # tokens a KV connector loads right after the local hit
         if num_computed == 0:
             computed, num_computed = self.kv.get_computed_blocks(request)
-        num_new = self._chunk(request.num_tokens - num_computed, step)
-        if not self._fits(request, num_computed + num_new, len(computed)):
+            if self.connector is not None:
+                num_external = self.connector.get_num_new_matched_tokens(request,
+                                                                         num_computed)
+                if num_external is None:
+                    return None
+        num_new = self._chunk(request.num_tokens - num_computed - num_external, step)
+        done = num_computed + num_external
+        if not self._fits(request, done + num_new, len(computed)):
             return False
-        if self.kv.allocate_slots(request, num_new, computed,
-                                  self._lookahead(num_computed + num_new)) is None:
+        new_blocks = self.kv.allocate_slots(request, num_new, computed,
+                                            self._lookahead(done + num_new), num_external)
+        if new_blocks is None:
             return False
+        if num_external:
+            self.connector.update_state_after_alloc(
+                request, [b.block_id for b in new_blocks[: num_external // self.kv.block_size]])
         if request.num_computed_tokens == 0:
             self.kv.record_lookup(request.num_tokens, num_computed)
+        num_computed = done
         self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
@@ -321,6 +354,8 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
+        if self.connector is not None:
+            self.connector.update_connector_output(runner_output.kv_connector_stats)
         for rid, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(rid)
             if request is None or request.is_finished or not token_ids:
