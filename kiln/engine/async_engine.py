@@ -96,6 +96,7 @@ class _Add:
     arrival: float  # time.monotonic() when the caller asked: TTFT includes queueing
     priority: int = 0
     lora_request: LoRARequest | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -168,7 +169,8 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: str | dict[str, Any],
                           params: SamplingParams, *, priority: int = 0,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None,
+                          kv_transfer_params: dict[str, Any] | None = None) -> RequestStream:
         """Queue a request; return its stream once the engine accepted it. A bad request
         (or adapter) raises `ValueError` here (nothing else is affected); a dead engine
         raises `EngineDeadError`."""
@@ -181,7 +183,8 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self)
         accepted = self._loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, stream, accepted,
-                                time.monotonic(), priority, lora_request))
+                                time.monotonic(), priority, lora_request,
+                                kv_transfer_params))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -269,7 +272,8 @@ class AsyncLLMEngine:
                 raise LoRAError(f"LoRA adapter {lora.lora_name!r} was unloaded; load it "
                                  "again to use it")
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                    priority=cmd.priority, lora_request=lora)
+                                    priority=cmd.priority, lora_request=lora,
+                                    kv_transfer_params=cmd.kv_transfer_params)
         except ValueError as exc:  # the request fails alone
             self._call(_resolve, cmd.accepted, exc)
             return

@@ -19,7 +19,7 @@ from kiln.lora.registry import AdapterRegistry
 from kiln.distributed.executor import Executor, make_executor
 from kiln.distributed.worker import RunnerSpec
 from kiln.engine.setup import (check_draft_model, check_kv_capacity, check_tensor_parallel,
-                               kv_fingerprint, load_tokenizer, resolve_dtype,
+                               check_kv_transfer_params, kv_fingerprint, load_tokenizer, resolve_dtype,
                                resolve_max_model_len, scheduler_connector)
 from kiln.models import ModelConfig, model_class
 from kiln.models.model_source import gguf_source, resolve_model
@@ -141,9 +141,7 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None,
                     kv_transfer_params: dict[str, Any] | None = None) -> None:
         params = params or SamplingParams()
-        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
-            raise ValueError("kv_transfer_params must be a dict such as "
-                             "{\"do_remote_prefill\": true}")
+        check_kv_transfer_params(kv_transfer_params)
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)

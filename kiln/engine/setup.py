@@ -146,3 +146,22 @@ def scheduler_connector(config: Any, fingerprint: dict[str, Any], kv_spec: Any,
                          num_kv_heads=kv_spec.num_kv_heads, head_size=kv_spec.head_size,
                          dtype=kv_spec.dtype, quantization=quantization.cache_key())
     return make_connector(config, KVConnectorRole.SCHEDULER, layout)
+
+
+KV_TRANSFER_PARAMS = ("do_remote_prefill", "do_remote_decode")
+
+
+def check_kv_transfer_params(params: Any) -> None:
+    """A request's kv_transfer_params: a dict of the flags kiln's P/D flow knows."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ValueError("kv_transfer_params must be a dict such as "
+                         "{\"do_remote_prefill\": true}")
+    unknown = sorted(set(params) - set(KV_TRANSFER_PARAMS))
+    if unknown:
+        raise ValueError(f"kv_transfer_params has unknown key(s) {unknown}; known: "
+                         f"{list(KV_TRANSFER_PARAMS)}")
+    for key, value in params.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"kv_transfer_params.{key}={value!r} must be true or false")

@@ -79,6 +79,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "\"num_speculative_tokens\": 4}' (also prompt_lookup_min/max), or "
                         "'{\"method\": \"draft_model\", \"model\": PATH, "
                         "\"num_speculative_tokens\": 4}'")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="KV connector, vLLM's names: '{\"kv_connector\": \"disk\", "
+                        "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": "
+                        "{\"path\": DIR, \"max_size\": \"4GiB\"}}' (a KV tier that "
+                        "survives restarts), or kv_connector torch_distributed with kv_role "
+                        "kv_producer / kv_consumer for prefill/decode disaggregation")
 
 
 def _lora_args(p: argparse.ArgumentParser) -> None:
@@ -164,7 +170,8 @@ def _make_llm(args: argparse.Namespace) -> Any:
                quantization=args.quantization, enable_lora=args.enable_lora,
                max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                max_lora_rank=args.max_lora_rank,
-               speculative_config=args.speculative_config)
+               speculative_config=args.speculative_config,
+               kv_transfer_config=args.kv_transfer_config)
 
 
 def _lora_request(args: argparse.Namespace) -> LoRARequest | None:

@@ -93,6 +93,10 @@ class KVConnector:
     """A connector over a `BlockStore`; subclasses say which store each role uses."""
 
     name = "base"
+    # A block handed to a save is not saved again while remembered (a tier keeps it).
+    # A push transport sends every request's blocks (its peer may have evicted them),
+    # deduplicating within a step only.
+    remember_saves = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole,
                  layout: KVLayout) -> None:
@@ -185,15 +189,19 @@ class KVConnector:
         if not self.config.is_producer:
             return meta
         bs = self.layout.block_size
+        seen: set[bytes] = set()
         for request, block_ids in scheduled:
             rid = request.request_id
             full = min(request.num_computed_tokens, request.num_tokens) // bs
             full = min(full, len(request.block_hashes), len(block_ids))
             for i in range(self._saved_upto.get(rid, 0), full):
                 block_hash = request.block_hashes[i]
-                if block_hash in self._recent or self.store.contains(block_hash):
+                if block_hash in seen or block_hash in self._recent \
+                        or self.store.contains(block_hash):
                     continue
-                self._remember(block_hash)
+                seen.add(block_hash)
+                if self.remember_saves:
+                    self._remember(block_hash)
                 meta.save_hashes.append(block_hash)
                 meta.save_block_ids.append(block_ids[i])
             self._saved_upto[rid] = max(self._saved_upto.get(rid, 0), full)

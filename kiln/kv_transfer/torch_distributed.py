@@ -217,6 +217,7 @@ class _NullStore(BlockStore):
 
 class TorchDistributedConnector(KVConnector):
     name = "torch_distributed"
+    remember_saves = False  # the consumer's memory may have evicted any block
 
     def make_store(self) -> BlockStore:
         c = self.config

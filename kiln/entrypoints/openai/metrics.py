@@ -4,7 +4,8 @@ Per-request numbers (finishes, tokens, TTFT, inter-token latency, end-to-end lat
 pushed by the engine thread through the `StatsObserver` methods. Scheduler numbers
 (running, waiting, KV usage, prefix-cache counters, preemptions, and with speculative
 decoding `kiln:spec_decode_*`: drafts, draft and accepted tokens, accepted per position,
-acceptance rate, mean accepted length) are read at scrape time
+acceptance rate, mean accepted length; with a KV connector `kiln:kv_transfer_*`: blocks
+and bytes loaded and saved, load time, failures, hit rate) are read at scrape time
 from the snapshot the engine thread publishes after each step, so scraping never touches
 the engine itself; requests per LoRA adapter (`kiln:lora_requests_total{lora_name}`) come
 from a copy of the engine's counts published the same way.
@@ -22,6 +23,7 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kiln.kv_transfer import KVTransferStats
 from kiln.scheduler import SchedulerStats
 from kiln.spec_decode import SpecDecodingStats
 
@@ -58,6 +60,31 @@ class _SchedulerCollector(Collector):
                                   value=s.num_preemptions)
         if s.spec_decoding is not None:
             yield from _spec_metrics(s.spec_decoding)
+        if s.kv_transfer is not None:
+            yield from _kv_transfer_metrics(s.kv_transfer)
+
+
+_KV_COUNTERS = (
+    ("blocks_loaded", "KV blocks loaded from the connector."),
+    ("bytes_loaded", "Bytes of KV loaded from the connector."),
+    ("load_time_s", "Seconds spent reading and verifying loaded blocks."),
+    ("load_failures", "Corrupt or truncated blocks found (recomputed instead)."),
+    ("blocks_saved", "KV blocks saved (or sent) through the connector."),
+    ("bytes_saved", "Bytes of KV saved (or sent)."),
+    ("save_failures", "Blocks that could not be saved or sent."),
+    ("blocks_evicted", "Blocks evicted by the tier's size budget."),
+    ("hit_tokens", "Prompt tokens supplied by the connector."),
+    ("query_tokens", "Prompt tokens looked up in the connector (past local hits)."),
+    ("remote_timeouts", "Requests whose remote prefill did not arrive in time."),
+)
+
+
+def _kv_transfer_metrics(kt: KVTransferStats) -> Iterator[Metric]:
+    for name, help_text in _KV_COUNTERS:
+        yield CounterMetricFamily(f"kiln:kv_transfer_{name}", help_text,
+                                  value=getattr(kt, name))
+    yield GaugeMetricFamily("kiln:kv_transfer_hit_rate", "hit_tokens / query_tokens since "
+                            "start.", value=kt.hit_rate)
 
 
 def _spec_metrics(sd: SpecDecodingStats) -> Iterator[Metric]:

@@ -52,6 +52,9 @@ class _SamplingFields(_Strict):
     # vLLM's extra: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}.
     structured_outputs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's extra for P/D disaggregation: {"do_remote_prefill": true} on a decode
+    # instance waits for the prompt's KV from the prefill instance (kiln.kv_transfer).
+    kv_transfer_params: dict[str, Any] | None = None
     # Accepted and ignored: bookkeeping with no effect on generation.
     user: str | None = None
     metadata: dict[str, Any] | None = None

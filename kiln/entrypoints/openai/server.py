@@ -50,6 +50,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="hermes",
                    help="how tool_choice='auto' finds the model's tool calls in its text "
                         "(default hermes: <tool_call>{...}</tool_call>)")
+    p.add_argument("--pd-proxy", nargs=2, default=None, metavar=("P_URL", "D_URL"),
+                   help="run no engine: proxy each request to the prefill instance P "
+                        "(kv_producer), then to the decode instance D (kv_consumer)")
+    p.add_argument("--pd-prefill-timeout", type=float, default=60.0, metavar="S",
+                   help="with --pd-proxy: how long P may take before D computes the "
+                        "prompt itself (default 60)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: kiln always serves "
                         "tool_choice='auto' with --tool-call-parser")
@@ -85,6 +91,12 @@ def _lora_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any]) -> int:
+    if args.pd_proxy is not None:
+        from kiln.kv_transfer.proxy import run_proxy
+
+        logging.getLogger("kiln.kv_transfer.proxy").setLevel(logging.INFO)
+        return run_proxy(*args.pd_proxy, args.host, args.port, args.pd_prefill_timeout,
+                         args.verbose)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"model given twice ({args.model_tag!r} and --model "

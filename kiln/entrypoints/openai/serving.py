@@ -59,12 +59,15 @@ def new_id(prefix: str) -> str:
 
 
 async def start_requests(ctx: ServingContext, base_id: str, prompts: list[dict[str, Any]],
-                         params: list[SamplingParams], param: str) -> list[RequestStream]:
+                         params: list[SamplingParams], param: str,
+                         kv_transfer_params: dict[str, Any] | None = None
+                         ) -> list[RequestStream]:
     """Add one engine request per prompt; all or none (a rejected one aborts the rest).
     All adds are queued before any is awaited, so a batch costs one engine iteration."""
     results = await asyncio.gather(
         *(ctx.engine.add_request(f"{base_id}-{i}", prompt, p,
-                                 lora_request=ctx.lora_request)
+                                 lora_request=ctx.lora_request,
+                                 kv_transfer_params=kv_transfer_params)
           for i, (prompt, p) in enumerate(zip(prompts, params))), return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [r for r in results if isinstance(r, BaseException)]

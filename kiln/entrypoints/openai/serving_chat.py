@@ -65,7 +65,8 @@ async def create_chat_completion(ctx: sv.ServingContext, req: ChatCompletionRequ
     params = to_sampling_params(req, len(prompt["prompt_token_ids"]), ctx.max_model_len,
                                 plan.constraint() if plan.active else None)
     rid = sv.new_id("chatcmpl")
-    streams = await sv.start_requests(ctx, rid, [prompt], [params], "messages")
+    streams = await sv.start_requests(ctx, rid, [prompt], [params], "messages",
+                                      req.kv_transfer_params)
     if req.stream:
         return sv.AbortingStreamingResponse(_stream(ctx, req, rid, streams, prompt, plan),
                                             streams)

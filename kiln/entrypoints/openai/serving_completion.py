@@ -51,7 +51,8 @@ async def create_completion(ctx: sv.ServingContext, req: CompletionRequest,
     params = [to_sampling_params(req, len(p["prompt_token_ids"]), ctx.max_model_len)
               for p in prompts]
     rid = sv.new_id("cmpl")
-    streams = await sv.start_requests(ctx, rid, prompts, params, "prompt")
+    streams = await sv.start_requests(ctx, rid, prompts, params, "prompt",
+                                      req.kv_transfer_params)
     echo = [_echo_text(ctx, p) if req.echo else "" for p in prompts]
     if req.stream:
         return sv.AbortingStreamingResponse(_stream(ctx, req, rid, streams, prompts, echo),
