@@ -282,3 +282,18 @@ def test_a_consumer_whose_producer_never_comes_computes_the_prompt(tiny):
     kt = decode.engine.get_stats().kv_transfer
     assert kt.remote_timeouts == 2 and kt.hit_tokens == 0
     assert time.monotonic() - start < 30
+
+
+def test_disk_pd_producer_publishes_and_consumer_loads(tiny, tmp_path):
+    path, refs = tiny
+    prefill = _llm(path, kv_transfer_config={**_disk(tmp_path), "kv_role": "kv_producer"})
+    decode = _llm(path, kv_transfer_config={**_disk(tmp_path), "kv_role": "kv_consumer"})
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    _tokens(prefill, params=one)
+    published = _blocks(tmp_path)
+    assert _decode(decode, PROMPTS, GREEDY, remote=True) == refs
+    kt = decode.engine.get_stats().kv_transfer
+    assert kt.blocks_loaded > 0 and kt.remote_waits == len(PROMPTS)
+    assert _blocks(tmp_path) == published  # a consumer never writes
+    # The producer's own prefix-cache hits are published too (a consumer may lack them).
+    assert prefill.engine.get_stats().kv_transfer.lookups == 0

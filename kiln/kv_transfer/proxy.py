@@ -13,6 +13,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
 logger = logging.getLogger(__name__)
 DEFAULT_PREFILL_TIMEOUT_S = 60.0
 _PREFILL_ONLY = {"max_tokens": 1, "n": 1, "stream": False,
@@ -27,12 +32,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_proxy_app(prefill_url: str, decode_url: str,
-                    prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S) -> Any:
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response, StreamingResponse
-    from starlette.background import BackgroundTask
-
+                    prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S) -> FastAPI:
+    # Handlers' annotations must resolve at module level: FastAPI reads them to tell the
+    # request object from query parameters.
     app = FastAPI(title="kiln P/D proxy")
     client = httpx.AsyncClient(timeout=httpx.Timeout(None), trust_env=False)
     p_base, d_base = prefill_url.rstrip("/"), decode_url.rstrip("/")
