@@ -337,3 +337,19 @@ def test_spec_decode_speedup_and_acceptance(tmp_path, smollm2_dir, capsys):
     assert len(r["acceptance"]["grounded"]["per_position_acceptance"]) == 3
     assert all(len(c) == 1 for w in r["runs"].values() for c in w.values())
     assert "speedup" in capsys.readouterr().out
+
+
+def test_kv_tier_ttft_in_fresh_processes(tmp_path, smollm2_dir, capsys):
+    """`kiln bench kv`: none / cold / warm disk tier, each a fresh process, on a tiny chat
+    model with SmolLM2's tokenizer; the warm runs load the prefix and agree with none."""
+    from server_utils import make_tiny_chat_model
+
+    model = make_tiny_chat_model(tmp_path / "chat", smollm2_dir)
+    r = bench(tmp_path, "kv", "--model", str(model), "-O0", "--dtype", "float32",
+              "--prefix-len", "100", "--repeats", "1")
+    assert r["mode"] == "kv" and r["identical"] is True
+    assert [len(r["runs"][c]) for c in ("none", "warm", "cold")] == [1, 1, 1]
+    assert r["runs"]["warm"][0]["kv_transfer"]["blocks_loaded"] == 100 // 16
+    assert r["runs"]["cold"][0]["kv_transfer"]["blocks_saved"] >= 100 // 16
+    assert r["runs"]["none"][0]["kv_transfer"] is None
+    assert r["speedup"] > 0 and "warm tier vs none" in capsys.readouterr().out

@@ -92,3 +92,14 @@ def test_pd_proxy_with_the_prefill_instance_down_lets_decode_compute(pd):
                                                       max_tokens=8, temperature=0)
     assert got.choices[0].message.content == want[0].outputs[0].text
     assert httpx.get(f"{proxy_down.base_url}/proxy_stats").json()["prefill_failures"] == 1
+
+
+def test_unknown_kv_transfer_params_are_a_400_and_the_server_keeps_serving(pd):
+    (_, d, _, _), _ = pd
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2,
+            "kv_transfer_params": {"do_remote_prefil": True}}
+    r = httpx.post(f"{d.v1}/completions", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and "do_remote_prefil" in r.json()["error"]["message"]
+    ok = _client(d).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"

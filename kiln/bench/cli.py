@@ -1,8 +1,8 @@
 """`kiln bench latency | throughput | serve | compile | kernels | quality | lora |
-structured | spec`: arguments and dispatch.
+structured | spec | kv | pd`: arguments and dispatch.
 
 Every mode prints a table, writes its result as JSON with `--json PATH` (schemas in each
-mode's module docstring) and PNG charts into `--plot DIR`.
+mode's module docstring) and PNG charts into `--plot DIR` (kv and pd draw none).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
     bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
                                          "| serve | compile | kernels | quality | lora "
-                                         "| structured | spec")
+                                         "| structured | spec | kv | pd")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     lat = modes.add_parser("latency", help="one fixed batch, timed per engine step")
     lat.add_argument("--batch-size", type=int, default=8)
@@ -99,7 +99,21 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     engine_args(sp)
     sp.add_argument("--output-len", type=int, default=192)
     sp.add_argument("--repeats", type=int, default=3)
-    for p in (lat, tp, srv, comp, ker, qual, lora, st, sp):
+    kv = modes.add_parser("kv", help="TTFT of a long shared prefix in a fresh process: "
+                                     "warm disk KV tier vs none (and the cost of saving)")
+    engine_args(kv)
+    kv.add_argument("--prefix-len", type=int, default=1500)
+    kv.add_argument("--repeats", type=int, default=3)
+    pd = modes.add_parser("pd", help="prefill/decode disaggregation (two servers and the "
+                                     "proxy) vs one server, under concurrent streams")
+    engine_args(pd)
+    pd.add_argument("--num-prompts", type=int, default=32)
+    pd.add_argument("--input-len", type=int, default=1000)
+    pd.add_argument("--output-len", type=int, default=64)
+    pd.add_argument("--max-concurrency", type=int, default=16)
+    pd.add_argument("--shared-cpus", action="store_true",
+                    help="run P and D on every CPU (default: half each)")
+    for p in (lat, tp, srv, comp, ker, qual, lora, st, sp, kv, pd):
         _outputs(p)
 
 
@@ -182,6 +196,17 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
                 **{**vars(args), "speculative_config": spec if on else None}))
 
         result = run_spec(make_spec, args.output_len, args.repeats)
+    elif mode in ("kv", "pd"):
+        from kiln.bench.kv import format_kv, format_pd, run_kv, run_pd
+
+        argv = engine_argv(args, engine_args, skip=set())
+        if mode == "kv":
+            fmt, result = format_kv, run_kv(argv, args.prefix_len, args.repeats)
+        else:
+            fmt, result = format_pd, run_pd(argv, args.num_prompts, args.input_len,
+                                            args.output_len, args.max_concurrency,
+                                            split_cpus=not args.shared_cpus)
+        plot = _no_plots
     else:
         from kiln.bench.kernels import format_kernels as fmt, plot_kernels as plot
         from kiln.bench.shapes import run_kernels_for_model
@@ -196,6 +221,10 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
         for path in plot(result, Path(args.plot)):
             print(f"wrote {path}")
     return 1 if mode == "serve" and result["completed"] == 0 else 0
+
+
+def _no_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    return []
 
 
 def engine_argv(args: argparse.Namespace, engine_args: EngineArgs,
