@@ -273,6 +273,17 @@ def test_torch_distributed_pd_equals_one_instance(tiny):
     assert prefill.engine.get_stats().kv_transfer.blocks_saved == before + 4
 
 
+def test_a_producer_whose_port_is_taken_fails_at_start_up(tiny):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match="kv_port"):
+            _llm(tiny[0], kv_transfer_config=_pd("kv_producer", port))
+
+
 def test_a_consumer_whose_producer_never_comes_computes_the_prompt(tiny):
     path, refs = tiny
     decode = _llm(path, kv_transfer_config=_pd("kv_consumer", free_port(),

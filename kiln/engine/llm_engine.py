@@ -14,13 +14,14 @@ from kiln.engine.detokenizer import token_namer
 from kiln.engine.output_processor import OutputProcessor, sample_ids
 from kiln.engine.outputs import RequestOutput
 from kiln.engine.request import Request, RequestStatus
+from kiln.kv_transfer import KVConnectorRole, connector_for
 from kiln.lora import LoRAError, LoRARequest
 from kiln.lora.registry import AdapterRegistry
 from kiln.distributed.executor import Executor, make_executor
 from kiln.distributed.worker import RunnerSpec
-from kiln.engine.setup import (check_draft_model, check_kv_capacity, check_tensor_parallel,
-                               check_kv_transfer_params, kv_fingerprint, load_tokenizer, resolve_dtype,
-                               resolve_max_model_len, scheduler_connector)
+from kiln.engine.setup import (check_draft_model, check_kv_capacity, check_kv_transfer_params,
+                               check_tensor_parallel, kv_fingerprint, load_tokenizer,
+                               resolve_dtype, resolve_max_model_len)
 from kiln.models import ModelConfig, model_class
 from kiln.models.model_source import gguf_source, resolve_model
 from kiln.quantization import resolve_quantization
@@ -91,8 +92,12 @@ class LLMEngine:
         # Block hashes also name blocks in a KV connector's tier.
         self._hasher = BlockHasher(config.block_size) \
             if config.enable_prefix_caching or kvt is not None else None
-        self.kv_connector = None if kvt is None else scheduler_connector(
-            kvt, fingerprint, self.executor.kv_spec, mc.num_layers, qc)
+        self.kv_connector = None if kvt is None else connector_for(
+            kvt, KVConnectorRole.SCHEDULER, fingerprint, self.executor.kv_spec,
+            mc.num_layers, qc)
+        # The connector's links and threads stop with the engine.
+        self._close_connector = weakref.finalize(
+            self, self.kv_connector.close if self.kv_connector else lambda: None)
         policy = SchedulerPolicy(config.scheduling_policy, config.long_prefill_token_threshold,
                                  config.full_sequence_must_fit)
         self.scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs,
@@ -121,6 +126,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor's workers now (also done at garbage collection and exit)."""
         self._finalizer()
+        self._close_connector()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:

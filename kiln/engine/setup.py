@@ -136,18 +136,6 @@ def kv_fingerprint(path: Path, gguf: Path | None) -> dict[str, Any]:
     return out
 
 
-def scheduler_connector(config: Any, fingerprint: dict[str, Any], kv_spec: Any,
-                        num_layers: int, quantization: Any) -> Any:
-    """The scheduler side of the KV connector, with the namespace the worker derives
-    from the same fields (`ModelRunner._make_connector`)."""
-    from kiln.kv_transfer import KVConnectorRole, make_connector, make_layout
-
-    layout = make_layout(fingerprint, num_layers=num_layers, block_size=kv_spec.block_size,
-                         num_kv_heads=kv_spec.num_kv_heads, head_size=kv_spec.head_size,
-                         dtype=kv_spec.dtype, quantization=quantization.cache_key())
-    return make_connector(config, KVConnectorRole.SCHEDULER, layout)
-
-
 KV_TRANSFER_PARAMS = ("do_remote_prefill", "do_remote_decode")
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kiln.kv_transfer.base import KVConnector, KVConnectorRole
@@ -30,3 +30,16 @@ def make_connector(config: KVTransferConfig, role: KVConnectorRole,
                    layout: KVLayout) -> KVConnector:
     module, class_name = _REGISTRY[config.kv_connector]
     return getattr(importlib.import_module(module), class_name)(config, role, layout)
+
+
+def connector_for(config: KVTransferConfig, role: KVConnectorRole, fingerprint: dict,
+                  kv_spec: Any, num_layers: int, quantization: Any) -> KVConnector:
+    """A role's connector over this engine's cache layout (`kv_spec`: a
+    FullAttentionSpec). The scheduler and the worker both build theirs here, from the
+    same fields, so they agree on the namespace."""
+    from kiln.kv_transfer.layout import make_layout
+
+    layout = make_layout(fingerprint, num_layers=num_layers, block_size=kv_spec.block_size,
+                         num_kv_heads=kv_spec.num_kv_heads, head_size=kv_spec.head_size,
+                         dtype=kv_spec.dtype, quantization=quantization.cache_key())
+    return make_connector(config, role, layout)

@@ -43,16 +43,28 @@ class PeerLink:
         self.group: dist.ProcessGroupGloo | None = None
         self.connected = threading.Event()
         self.dead = False
-        self._store = None
+        # The producer binds its rendezvous port now: a taken port is a start-up error.
+        self._store = self._open_store() if rank == 0 else None
         threading.Thread(target=self._connect, name="kiln-kv-connect", daemon=True).start()
+
+    def _open_store(self) -> dist.TCPStore:
+        # A consumer retries in short attempts (the producer may start much later).
+        timeout = datetime.timedelta(seconds=30 if self.rank == 0 else 2)
+        try:
+            return dist.TCPStore(self.ip, self.port, 2, is_master=self.rank == 0,
+                                 timeout=timeout, wait_for_workers=False)
+        except Exception as exc:
+            if self.rank == 0:
+                raise ValueError(f"kv_transfer_config: the producer cannot listen on "
+                                 f"kv_ip:kv_port={self.ip}:{self.port} ({exc}); pick a free "
+                                 "kv_port and give the consumer the same one") from None
+            raise
 
     def _connect(self) -> None:
         deadline = time.monotonic() + self.connect_timeout_s
         while not self.dead:
             try:
-                store = dist.TCPStore(self.ip, self.port, 2, is_master=self.rank == 0,
-                                      timeout=datetime.timedelta(seconds=30),
-                                      wait_for_workers=False)
+                store = self._store or self._open_store()
                 self._store = store
                 self.group = dist.ProcessGroupGloo(dist.PrefixStore("kiln-kv", store),
                                                    self.rank, 2, _OP_TIMEOUT)
@@ -65,6 +77,10 @@ class PeerLink:
                     self.dead = True
                     return
                 time.sleep(0.5)
+
+    def close(self) -> None:
+        """Stop connecting and using the link (the engine is shutting down)."""
+        self.dead = True
 
     def fail(self, exc: BaseException) -> None:
         if not self.dead:
@@ -133,6 +149,10 @@ class SenderStore(BlockStore):
             out, self._counters = self._counters, {}
         return out
 
+    def close(self) -> None:
+        self.flush()
+        self.link.close()
+
 
 class ReceiverStore(BlockStore):
     """The consumer's scheduler side: blocks received, in memory, LRU within max_size."""
@@ -199,6 +219,9 @@ class ReceiverStore(BlockStore):
         with self._lock:
             evicted, self._evicted = self._evicted, 0
         return {"blocks_evicted": evicted} if evicted else {}
+
+    def close(self) -> None:
+        self.link.close()
 
 
 class _NullStore(BlockStore):

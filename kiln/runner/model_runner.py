@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from kiln.attention import AttentionMetadata, select_backend
 from kiln.compiler import compile_model, default_cache_root
 from kiln.config import CompilationConfig, CompilationMode
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
-from kiln.kv_transfer import KVConnectorRole, make_connector, make_layout
+from kiln.kv_transfer import KVConnectorRole, KVTransferConfig, connector_for
 from kiln.graphs import CUDAGraphMode, capture_phase
 from kiln.lora import LoRAConfig, LoRARequest
 from kiln.lora.manager import LoRAManager
@@ -43,7 +43,6 @@ from kiln.sampling import Sampler, SamplingParams
 from kiln.runner.sample_step import sample_step
 from kiln.scheduler import FullAttentionSpec, ModelRunnerOutput, SchedulerOutput
 from kiln.spec_decode import SpeculativeConfig
-from kiln.kv_transfer import KVTransferConfig
 from kiln.spec_decode.drafter import make_drafter
 
 logger = logging.getLogger(__name__)
@@ -151,17 +150,10 @@ class ModelRunner:
             self.capture_model(progress)
         self.drafter = None if speculative is None else make_drafter(
             speculative, self, draft_model_config, compilation, attention_backend, progress)
-        self.kv_connector = None if kv_transfer is None else self._make_connector(*kv_transfer)
-
-    def _make_connector(self, config: KVTransferConfig, fingerprint: dict) -> Any:
-        """The worker side of the KV connector, keyed by this rank's cache layout (the
-        engine's scheduler side derives the same namespace from the same fields)."""
-        s = self.kv_spec
-        layout = make_layout(fingerprint, num_layers=len(self.kv_caches),
-                             block_size=s.block_size, num_kv_heads=s.num_kv_heads,
-                             head_size=s.head_size, dtype=s.dtype,
-                             quantization=self.quantization.cache_key())
-        return make_connector(config, KVConnectorRole.WORKER, layout)
+        # The worker side of the KV connector, over this rank's cache layout.
+        self.kv_connector = None if kv_transfer is None else connector_for(
+            kv_transfer[0], KVConnectorRole.WORKER, kv_transfer[1], self.kv_spec,
+            len(self.kv_caches), self.quantization)
 
     @torch.inference_mode()
     def _compile_now(self) -> None:

@@ -4,8 +4,8 @@ from kiln.scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from kiln.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
-from kiln.scheduler.scheduler import (EngineCoreOutput, Scheduler, SchedulerPolicy,
-                                      SchedulerStats)
+from kiln.scheduler.scheduler import Scheduler
+from kiln.scheduler.step import EngineCoreOutput, SchedulerPolicy, SchedulerStats
 
 __all__ = ["BlockHasher", "PrefixCacheStats", "SchedulerPolicy", "SchedulerStats",
            "hash_block", "BlockPool", "CachedRequestData", "EngineCoreOutput", "FreeKVCacheBlockQueue",

@@ -12,7 +12,6 @@ import bisect
 import logging
 import time
 from concurrent import futures
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kiln.engine.request import Request, RequestStatus
@@ -20,46 +19,14 @@ from kiln.scheduler.block_pool import KVCacheBlock
 from kiln.scheduler.kv_cache_manager import KVCacheManager
 from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
+from kiln.scheduler.step import EngineCoreOutput, SchedulerPolicy, SchedulerStats, StepPlan
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that serve a constraint
-    from kiln.kv_transfer import KVConnector, KVTransferStats
+    from kiln.kv_transfer import KVConnector
     from kiln.spec_decode import SpecDecodingStats
     from kiln.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerPolicy:
-    policy: str = "fcfs"  # "fcfs" | "priority" (lower value first)
-    long_prefill_token_threshold: int = 0  # 0: off; else max prefill tokens per request-step
-    full_sequence_must_fit: bool = False  # admit only if prompt + max_tokens fit now
-    watermark: float = 0.01  # keep this fraction of blocks free when admitting
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    spec_decoding: SpecDecodingStats | None = None  # None: speculation is off
-    kv_transfer: KVTransferStats | None = None  # None: no KV connector
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries \
-            if self.prefix_cache_queries else 0.0
 
 
 class Scheduler:
@@ -160,7 +127,7 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.max_num_batched_tokens)
+        step = StepPlan(self.max_num_batched_tokens)
         for request in list(self.running):
             if step.budget <= 0:
                 break
@@ -226,7 +193,7 @@ class Scheduler:
             out.grammar_bitmask = self.structured.bitmask([r.structured for r in rows])
             out.structured_output_request_ids = {r.request_id: i for i, r in enumerate(rows)}
 
-    def _admit_waiting(self, step: _Step) -> None:
+    def _admit_waiting(self, step: StepPlan) -> None:
         """Admit in policy order while budget, sequences and blocks last. A request whose
         adapter would exceed the LoRA slots (every running adapter stays in its slot) is
         passed over, not a barrier: the requests behind it may run meanwhile."""
@@ -256,13 +223,13 @@ class Scheduler:
             self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
         return False
 
-    def _chunk(self, num_new: int, step: _Step) -> int:
+    def _chunk(self, num_new: int, step: StepPlan) -> int:
         threshold = self.policy.long_prefill_token_threshold
         if threshold and self.get_num_unfinished_requests() > 1:
             num_new = min(num_new, threshold)  # alone, a request may take the whole budget
         return min(num_new, step.budget)
 
-    def _admit(self, request: Request, step: _Step) -> bool | None:
+    def _admit(self, request: Request, step: StepPlan) -> bool | None:
         """Admit `request` if its blocks fit: True; False stops admission this step;
         None passes over it (its KV is still arriving from another instance)."""
         computed: list[KVCacheBlock] = []
@@ -316,7 +283,7 @@ class Scheduler:
         return pool.get_num_free_blocks() - needed >= reserve
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             step: _Step) -> list[KVCacheBlock] | None:
+                             step: StepPlan) -> list[KVCacheBlock] | None:
         while True:
             blocks = self.kv.allocate_slots(request, num_new,
                                             num_lookahead=self._lookahead(
@@ -395,25 +362,3 @@ class Scheduler:
               or request.num_tokens >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH
         return request.is_finished
-
-
-class _Step:
-    """What one `schedule()` call has decided so far."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.scheduled: dict[str, int] = {}  # req_id -> tokens, in batch order
-        self.cached: dict[str, CachedRequestData] = {}
-        self.new: list[NewRequestData] = []
-        self.preempted: set[str] = set()
-        self.spec: dict[str, list[int]] = {}  # req_id -> draft tokens verified this step
-
-    def take(self, req_id: str, num_tokens: int) -> None:
-        self.scheduled[req_id] = num_tokens
-        self.budget -= num_tokens
-
-    def refund(self, req_id: str) -> None:
-        """A victim scheduled earlier in this step gives its tokens back."""
-        self.budget += self.scheduled.pop(req_id, 0)
-        self.cached.pop(req_id, None)
-        self.spec.pop(req_id, None)
