@@ -9,7 +9,7 @@ import logging
 import re
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -122,6 +122,27 @@ def parse_bytes(value: int | str, field_name: str) -> int:
     if n <= 0:
         raise ValueError(f"{field_name}={value!r} must be positive")
     return n
+
+
+def config_fields(value: dict[str, Any] | str, cls: type, name: str,
+                  example: str) -> dict[str, Any]:
+    """The fields of a dataclass config given as a dict or a JSON string (a CLI flag):
+    bad JSON, another type or an unknown field is a ValueError that names `name`."""
+    import dataclasses
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict such as {example}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"{name} has unknown field(s) {unknown}; known: {sorted(names)}")
+    return value
 
 
 def parse_dtype(value: str | torch.dtype) -> str:

@@ -9,11 +9,10 @@ prefill instance's blocks to a decode instance over a gloo process group (`kv_ip
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.config import parse_bytes
+from kiln.config import config_fields, parse_bytes
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_MAX_SIZE = "4GiB"
@@ -94,20 +93,9 @@ def parse_kv_transfer_config(value: KVTransferConfig | dict[str, Any] | str | No
     """A dict, a JSON string (the CLI's `--kv-transfer-config`) or a config; None: off."""
     if value is None or isinstance(value, KVTransferConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("kv_transfer_config must be a dict such as {\"kv_connector\": "
-                         "\"disk\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": "
-                         "{\"path\": \"/tmp/kv\"}}")
-    names = {f.name for f in fields(KVTransferConfig)}
-    unknown = sorted(set(value) - names)
-    if unknown:
-        raise ValueError(f"kv_transfer_config has unknown field(s) {unknown}; known: "
-                         f"{sorted(names)}")
+    value = config_fields(value, KVTransferConfig, "kv_transfer_config",
+                          '{"kv_connector": "disk", "kv_role": "kv_both", '
+                          '"kv_connector_extra_config": {"path": "/tmp/kv"}}')
     if "kv_connector" not in value:
         raise ValueError("kv_transfer_config.kv_connector is required: 'disk' or "
                          "'torch_distributed'")

@@ -29,6 +29,7 @@ import xxhash
 
 from kiln.kv_transfer.base import BlockStore, KVConnector
 from kiln.kv_transfer.layout import KVLayout
+from kiln.kv_transfer.stats import Counters
 
 logger = logging.getLogger(__name__)
 MAGIC = b"KILNKVB1"
@@ -50,8 +51,7 @@ class DiskBlockStore(BlockStore):
         self.layout, self.max_size = layout, max_size
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write_identity()
-        self._lock = threading.Lock()
-        self._counters: dict[str, float] = {}
+        self._counts = Counters()
         self._futures: list[Future] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-kv-disk") if writer \
             else None
@@ -69,14 +69,8 @@ class DiskBlockStore(BlockStore):
         name = block_hash.hex()
         return self.dir / name[:2] / f"{name}{SUFFIX}"
 
-    def _count(self, name: str, value: float = 1) -> None:
-        with self._lock:
-            self._counters[name] = self._counters.get(name, 0) + value
-
     def take_stats(self) -> dict[str, float]:
-        with self._lock:
-            out, self._counters = self._counters, {}
-        return out
+        return self._counts.take()
 
     # ---- reads ----------------------------------------------------------------------------
     def contains(self, block_hash: bytes) -> bool:
@@ -113,7 +107,7 @@ class DiskBlockStore(BlockStore):
     def _bad(self, path: Path, why: str = "") -> None:
         if why:
             logger.warning("KV block %s is corrupt (%s): recomputing it", path.name, why)
-        self._count("load_failures")
+        self._counts.add("load_failures")
         try:
             path.unlink()
         except OSError:
@@ -139,12 +133,12 @@ class DiskBlockStore(BlockStore):
                 self._write(block_hash, payload[i].numpy())
             except OSError as exc:
                 logger.warning("could not save KV block %s: %s", block_hash.hex(), exc)
-                self._count("save_failures")
+                self._counts.add("save_failures")
                 continue
             self._estimate += nbytes
-            self._count("blocks_saved")
-            self._count("bytes_saved", self.layout.block_bytes)
-        self._count("save_time_s", time.perf_counter() - start)
+            self._counts.add("blocks_saved")
+            self._counts.add("bytes_saved", self.layout.block_bytes)
+        self._counts.add("save_time_s", time.perf_counter() - start)
 
     def _write(self, block_hash: bytes, data: np.ndarray) -> None:
         final = self.path_of(block_hash)
@@ -206,7 +200,7 @@ class DiskBlockStore(BlockStore):
                 except OSError:
                     continue
                 total -= size
-                self._count("blocks_evicted")
+                self._counts.add("blocks_evicted")
             self._estimate = total
 
 

@@ -1,6 +1,7 @@
 """KVTransferStats: what the connector moved, for `get_stats()` and `/metrics`."""
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass, fields, replace
 
 
@@ -40,3 +41,20 @@ class KVTransferStats:
 
 
 COUNTERS = tuple(f.name for f in fields(KVTransferStats))
+
+
+class Counters:
+    """Counts that a store's threads add to and the engine takes, thread-safely."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, float] = {}
+
+    def add(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + value
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            out, self._counts = self._counts, {}
+        return out

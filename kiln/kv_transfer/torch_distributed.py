@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from kiln.kv_transfer.base import BlockStore, KVConnector, KVConnectorRole
 from kiln.kv_transfer.layout import KVLayout
+from kiln.kv_transfer.stats import Counters
 
 logger = logging.getLogger(__name__)
 _HASH = 16
@@ -95,8 +96,7 @@ class SenderStore(BlockStore):
     def __init__(self, link: PeerLink, layout: KVLayout) -> None:
         self.link, self.layout = link, layout
         self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._counters: dict[str, float] = {}
+        self._counts = Counters()
         threading.Thread(target=self._run, name="kiln-kv-send", daemon=True).start()
 
     def contains(self, block_hash: bytes) -> bool:
@@ -107,7 +107,7 @@ class SenderStore(BlockStore):
 
     def put(self, hashes: list[bytes], payload: torch.Tensor) -> None:
         if self.link.dead or self._queue.qsize() >= _MAX_QUEUED:
-            self._count("save_failures", len(hashes))
+            self._counts.add("save_failures", len(hashes))
             return
         self._queue.put((hashes, payload))
 
@@ -127,11 +127,11 @@ class SenderStore(BlockStore):
                 self.link.group.send([body], 1, 1).wait()
             except Exception as exc:
                 self.link.fail(exc)
-                self._count("save_failures", len(hashes))
+                self._counts.add("save_failures", len(hashes))
                 return
-            self._count("blocks_saved", len(hashes))
-            self._count("bytes_saved", payload.numel())
-            self._count("save_time_s", time.perf_counter() - start)
+            self._counts.add("blocks_saved", len(hashes))
+            self._counts.add("bytes_saved", payload.numel())
+            self._counts.add("save_time_s", time.perf_counter() - start)
             self._queue.task_done()
 
     def flush(self) -> None:
@@ -140,14 +140,8 @@ class SenderStore(BlockStore):
                 and not self.link.dead:
             time.sleep(0.005)
 
-    def _count(self, name: str, value: float = 1) -> None:
-        with self._lock:
-            self._counters[name] = self._counters.get(name, 0) + value
-
     def take_stats(self) -> dict[str, float]:
-        with self._lock:
-            out, self._counters = self._counters, {}
-        return out
+        return self._counts.take()
 
     def close(self) -> None:
         self.flush()

@@ -7,9 +7,10 @@ Validated once here: every bad field is a `ValueError` that names it.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from kiln.config import config_fields
 
 METHODS = ("ngram", "draft_model")
 # Prompt lookup matches at least this many tokens by default: shorter n-grams match
@@ -78,19 +79,8 @@ def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | N
     """A dict, a JSON string (the CLI's `--speculative-config`) or a config; None: off."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("speculative_config must be a dict such as {\"method\": \"ngram\", "
-                         "\"num_speculative_tokens\": 4}")
-    names = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(value) - names)
-    if unknown:
-        raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: "
-                         f"{sorted(names)}")
+    value = config_fields(value, SpeculativeConfig, "speculative_config",
+                          '{"method": "ngram", "num_speculative_tokens": 4}')
     if "method" not in value:
         raise ValueError("speculative_config.method is required: 'ngram' or 'draft_model'")
     if "num_speculative_tokens" not in value:
