@@ -122,10 +122,15 @@ def test_disk_tier_survives_a_restart_with_chunking_and_preemption(tiny, tmp_pat
 
 def test_disk_tier_at_o2_matches_plain_and_compiles_nothing_while_serving(tiny, tmp_path):
     path, refs = tiny
-    writer = _llm(path, 2, kv_transfer_config=_disk(tmp_path))
+    # Preemption (15 blocks) and chunked prefill (32 tokens per request-step) in play;
+    # the token budget stays the default, so the compiled ranges are the usual ones.
+    kwargs = dict(num_kv_blocks=15, long_prefill_token_threshold=32,
+                  kv_transfer_config=_disk(tmp_path))
+    writer = _llm(path, 2, **kwargs)
     assert _tokens(writer) == refs
+    assert writer.engine.get_stats().num_preemptions > 0  # its saves survived preemption
     writer.shutdown()
-    reader = _llm(path, 2, kv_transfer_config=_disk(tmp_path))
+    reader = _llm(path, 2, **kwargs)
     before = compilation_counter.clone()
     assert _tokens(reader) == refs
     assert not any(compilation_counter.delta(before).values())
