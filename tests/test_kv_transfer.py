@@ -139,17 +139,20 @@ def test_disk_tier_at_o2_matches_plain_and_compiles_nothing_while_serving(tiny, 
 
 def test_corrupt_and_truncated_blocks_are_misses_recomputed_and_rewritten(tiny, tmp_path):
     path, refs = tiny
-    llm = _llm(path, kv_transfer_config=_disk(tmp_path), enable_prefix_caching=False)
-    assert _tokens(llm) == refs
-    store = DiskBlockStore(tmp_path, _layout_of(llm), 1 << 30, False)
-    # The first block of the shared prefix and of the unrelated prompt: both are read.
+    first = _llm(path, kv_transfer_config=_disk(tmp_path))
+    assert _tokens(first) == refs
+    store = DiskBlockStore(tmp_path, _layout_of(first), 1 << 30, False)
+    first.shutdown()
+    # Between runs: the first block of the shared prefix and of the unrelated prompt
+    # (both are read next run) lose one payload byte and their last 7 bytes.
     corrupt, truncated = (store.path_of(hash_block(None, p[:16])) for p in (SHARED,
                                                                           PROMPTS[3]))
     data = bytearray(corrupt.read_bytes())
-    data[-100] ^= 0xFF  # one payload byte
+    data[-100] ^= 0xFF
     corrupt.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:-7])
     # Prefix caching off: every prompt looks its blocks up in the tier each time.
+    llm = _llm(path, kv_transfer_config=_disk(tmp_path), enable_prefix_caching=False)
     assert _tokens(llm) == refs
     kt = llm.engine.get_stats().kv_transfer
     assert kt.load_failures >= 2
