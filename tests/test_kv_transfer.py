@@ -301,6 +301,7 @@ def test_a_consumer_whose_producer_never_comes_computes_the_prompt(tiny):
     kt = decode.engine.get_stats().kv_transfer
     assert kt.remote_timeouts == 2 and kt.hit_tokens == 0
     assert time.monotonic() - start < 30
+    decode.shutdown()  # stops its link's connection attempts
 
 
 def test_disk_pd_producer_publishes_and_consumer_loads(tiny, tmp_path):

@@ -36,6 +36,7 @@ from kiln.kv_transfer.stats import KVTransferStats
 
 if TYPE_CHECKING:
     from kiln.engine.request import Request
+    from kiln.scheduler.block_pool import KVCacheBlock
 
 logger = logging.getLogger(__name__)
 _RECENT_SAVES = 1 << 16  # hashes handed to the worker lately: never saved twice meanwhile
@@ -179,9 +180,10 @@ class KVConnector:
         self.stats.blocks_loaded += len(payloads)
         self.stats.bytes_loaded += len(payloads) * self.layout.block_bytes
 
-    def build_connector_meta(self, scheduled: list[tuple[Request, list[int]]]
+    def build_connector_meta(self, scheduled: list[tuple[Request, list[KVCacheBlock]]]
                              ) -> KVConnectorMetadata:
-        """`scheduled`: each request of this step with its block ids, progress booked.
+        """`scheduled`: each request of this step with its blocks (the manager's own
+        list, not a copy: this runs every step), progress booked.
         Saves: the full blocks whose KV exists once this step's forward has run (their
         tokens are all known, so hashed) and that the store lacks."""
         meta = KVConnectorMetadata(self._loads)
@@ -190,10 +192,10 @@ class KVConnector:
             return meta
         bs = self.layout.block_size
         seen: set[bytes] = set()
-        for request, block_ids in scheduled:
+        for request, blocks in scheduled:
             rid = request.request_id
             full = min(request.num_computed_tokens, request.num_tokens) // bs
-            full = min(full, len(request.block_hashes), len(block_ids))
+            full = min(full, len(request.block_hashes), len(blocks))
             for i in range(self._saved_upto.get(rid, 0), full):
                 block_hash = request.block_hashes[i]
                 if block_hash in seen or block_hash in self._recent \
@@ -203,7 +205,7 @@ class KVConnector:
                 if self.remember_saves:
                     self._remember(block_hash)
                 meta.save_hashes.append(block_hash)
-                meta.save_block_ids.append(block_ids[i])
+                meta.save_block_ids.append(blocks[i].block_id)
             self._saved_upto[rid] = max(self._saved_upto.get(rid, 0), full)
         return meta
 

@@ -161,7 +161,7 @@ class Scheduler:
         self._grammar_bitmask(out)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(
-                [(self.requests[rid], self.kv.get_block_ids(rid)) for rid in step.scheduled])
+                [(self.requests[rid], self.kv.req_to_blocks[rid]) for rid in step.scheduled])
         return out
 
     def _lookahead(self, num_tokens: int) -> int:
