@@ -63,6 +63,9 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 def check_tensor_parallel(mc: ModelConfig, tp: int) -> None:
     """Heads, MLP width and KV heads must split over `tp` ranks (KV heads may instead be
     replicated: tp a multiple of num_kv_heads)."""
+    if mc.moe is not None and tp > 1:
+        raise ValueError(f"tensor_parallel_size={tp}: {mc.architecture} is a mixture of "
+                         "experts, and kiln does not shard experts yet; use -tp 1")
     problems = _tp_problems(mc, tp)
     if problems:
         fits = [d for d in range(1, mc.num_heads + 1) if not _tp_problems(mc, d)]

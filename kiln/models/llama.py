@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) in plain PyTorch.
+"""Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, and their mixture-of-experts
+relatives Mixtral, Qwen2-MoE and Qwen3-MoE) in plain PyTorch.
 
 `forward(input_ids[T], positions[T]) -> hidden[T, H]`: one flat token dimension, no batch
 dimension, no masks; attention goes through the opaque op. Q/K/V and gate/up are fused
@@ -11,7 +12,6 @@ loading of their slices and the collectives. With one rank it is the plain model
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -21,6 +21,7 @@ from kiln.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
 from kiln.models.model_config import ModelConfig
 from kiln.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from kiln.moe.layer import SparseMoeBlock, expert_checkpoint_name
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
@@ -51,9 +52,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, inter: int | None = None) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = inter or cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear.even(cfg.hidden_size,
                                                       {"gate": inter, "up": inter}, False)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False)
@@ -69,7 +70,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        moe = cfg.moe
+        if moe is not None and moe.is_sparse(layer_index):
+            shared = moe.shared_intermediate_size
+            self.mlp: nn.Module = SparseMoeBlock(cfg.hidden_size, moe,
+                                                 LlamaMLP(cfg, shared) if shared else None)
+        else:
+            self.mlp = LlamaMLP(cfg)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h))
@@ -128,6 +135,11 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
+        if self.config.moe is not None:
+            expert = expert_checkpoint_name(name)
+            if expert is not None:
+                return expert
+            name = name.replace(".block_sparse_moe.", ".mlp.")
         for fragment, (fused, shard) in self.stacked_params.items():
             if f".{fragment}." in name:
                 return name.replace(fragment, fused), shard

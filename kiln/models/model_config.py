@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kiln.moe.config import MoEConfig, moe_config
+
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
@@ -37,6 +39,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: torch.dtype
     sliding_window: int | None
+    moe: MoEConfig | None = None  # None: a dense MLP in every layer
 
     @classmethod
     def from_pretrained(cls, path: Path) -> ModelConfig:
@@ -51,7 +54,8 @@ class ModelConfig:
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = _rope(hf)
-        is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         attention_bias = bool(getattr(hf, "attention_bias", False))
         if getattr(hf, "mlp_bias", False):
             raise ValueError("mlp_bias=True checkpoints are not supported yet")
@@ -67,7 +71,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
             qk_norm=is_qwen3, bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=_eos_ids(hf), checkpoint_dtype=_dtype(hf),
-            sliding_window=_sliding_window(hf),
+            sliding_window=_sliding_window(hf), moe=moe_config(arch, hf),
         )
 
 

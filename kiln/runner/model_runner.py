@@ -99,6 +99,9 @@ class ModelRunner:
         self.quantization = quantization or QuantizationConfig()
         logger.info("quantization %s", apply_quantization(self.model, self.quantization,
                                                             dtype))
+        if model_config.moe is not None and self.quantization.method:
+            logger.warning("quantization %s covers the attention and dense linears; the "
+                           "experts' weights stay %s", self.quantization.method, dtype)
         if dtype == torch.bfloat16 and device.type == "cpu":
             plans = load_plans(dtype, device)
             logger.info("packed %d bf16 linear weights for kiln's CPU kernels (%s)",
