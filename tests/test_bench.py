@@ -353,3 +353,12 @@ def test_kv_tier_ttft_in_fresh_processes(tmp_path, smollm2_dir, capsys):
     assert r["runs"]["cold"][0]["kv_transfer"]["blocks_saved"] >= 100 // 16
     assert r["runs"]["none"][0]["kv_transfer"] is None
     assert r["speedup"] > 0 and "warm tier vs none" in capsys.readouterr().out
+
+
+def test_moe_kiln_vs_transformers(tmp_path, capsys):
+    """`kiln bench moe`: the random Mixtral, both engines, one batch size, tiny workload."""
+    r = bench(tmp_path, "moe", "-O", "0", "--dtype", "float32", "--batch-sizes", "2",
+              "--input-len", "8", "--output-len", "3", "--repeats", "1")
+    assert r["mode"] == "moe" and set(r["median_tok_s"]) == {"2"}
+    assert all(v > 0 for v in r["median_tok_s"]["2"].values()) and r["speedup"]["2"] > 0
+    assert "transformers tok/s" in capsys.readouterr().out

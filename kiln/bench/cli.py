@@ -1,8 +1,8 @@
 """`kiln bench latency | throughput | serve | compile | kernels | quality | lora |
-structured | spec | kv | pd`: arguments and dispatch.
+structured | spec | kv | pd | moe`: arguments and dispatch.
 
 Every mode prints a table, writes its result as JSON with `--json PATH` (schemas in each
-mode's module docstring) and PNG charts into `--plot DIR` (kv and pd draw none).
+mode's module docstring) and PNG charts into `--plot DIR` (kv, pd and moe draw none).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
     bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
                                          "| serve | compile | kernels | quality | lora "
-                                         "| structured | spec | kv | pd")
+                                         "| structured | spec | kv | pd | moe")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     lat = modes.add_parser("latency", help="one fixed batch, timed per engine step")
     lat.add_argument("--batch-size", type=int, default=8)
@@ -113,7 +113,16 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     pd.add_argument("--max-concurrency", type=int, default=16)
     pd.add_argument("--shared-cpus", action="store_true",
                     help="run P and D on every CPU (default: half each)")
-    for p in (lat, tp, srv, comp, ker, qual, lora, st, sp, kv, pd):
+    moe = modes.add_parser("moe", help="decode throughput of a small random Mixtral (8 "
+                                       "experts, top-2): kiln vs transformers")
+    moe.add_argument("-O", dest="optimization_level", type=int, default=2,
+                     choices=[0, 1, 2, 3])
+    moe.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    moe.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    moe.add_argument("--input-len", type=int, default=32)
+    moe.add_argument("--output-len", type=int, default=64)
+    moe.add_argument("--repeats", type=int, default=3)
+    for p in (lat, tp, srv, comp, ker, qual, lora, st, sp, kv, pd, moe):
         _outputs(p)
 
 
@@ -196,6 +205,12 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
                 **{**vars(args), "speculative_config": spec if on else None}))
 
         result = run_spec(make_spec, args.output_len, args.repeats)
+    elif mode == "moe":
+        from kiln.bench.moe import format_moe as fmt, run_moe
+
+        result = run_moe(args.optimization_level, args.dtype, args.batch_sizes,
+                         args.input_len, args.output_len, args.repeats)
+        plot = _no_plots
     elif mode in ("kv", "pd"):
         from kiln.bench.kv import format_kv, format_pd, run_kv, run_pd
 
