@@ -26,7 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -110,7 +110,9 @@ class KVConnector:
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._remote_first_seen: dict[str, float] = {}
         self._remote_done: set[str] = set()
+        # Worker side: this step's blocks to save, copied out layer by layer.
         self._save_buf: torch.Tensor | None = None
+        self._save_ids: torch.Tensor | None = None
 
     def make_store(self) -> BlockStore:
         raise NotImplementedError
@@ -150,7 +152,7 @@ class KVConnector:
         """A request whose prompt another instance prefills (`kv_transfer_params:
         {"do_remote_prefill": true}`) waits until its blocks are here, the source is gone
         or the timeout passes; then it takes what arrived and computes the rest."""
-        params = getattr(request, "kv_transfer_params", None) or {}
+        params = request.kv_transfer_params or {}
         rid = request.request_id
         if not params.get("do_remote_prefill") or rid in self._remote_done:
             return True
@@ -267,7 +269,3 @@ class KVConnector:
 
     def close(self) -> None:
         self.store.close()
-
-    def describe(self) -> dict[str, Any]:
-        return {"connector": self.name, "role": self.config.kv_role,
-                "namespace": self.layout.namespace}

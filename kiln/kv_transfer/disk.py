@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kiln.kv_transfer.base import BlockStore, KVConnector
+from kiln.kv_transfer.base import BlockStore, KVConnector, KVConnectorRole
 from kiln.kv_transfer.layout import KVLayout
 from kiln.kv_transfer.stats import Counters
 
@@ -220,8 +220,6 @@ class DiskConnector(KVConnector):
     name = "disk"
 
     def make_store(self) -> BlockStore:
-        from kiln.kv_transfer.base import KVConnectorRole
-
         path = self.config.kv_connector_extra_config["path"]
         return DiskBlockStore(path, self.layout, self.config.max_size,
                               writer=self.role is KVConnectorRole.WORKER

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(slots=True)
@@ -39,8 +39,6 @@ class KVTransferStats:
         out["hit_rate"] = self.hit_rate
         return out
 
-
-COUNTERS = tuple(f.name for f in fields(KVTransferStats))
 
 
 class Counters:

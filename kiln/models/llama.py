@@ -23,6 +23,7 @@ from kiln.models.model_config import ModelConfig
 from kiln.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kiln.moe.layer import SparseMoeBlock, expert_checkpoint_name
 
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
