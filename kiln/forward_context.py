@@ -29,18 +29,27 @@ class BatchDescriptor:
 class ForwardContext:
     """What one model forward needs besides its two tensor inputs.
 
-    `kv_caches[i]` is layer i's cache view and `attn_backends[i]` its backend; `is_padding` marks rows that are padding
+    `attn_metadata[g]` is KV-cache group g's batch layout (one block table and slot
+    mapping per group; `layer_groups[i]` is layer i's group, empty when every layer is in
+    group 0). `kv_caches[i]` is layer i's cache view and `attn_backends[i]` its backend;
+    `is_padding` marks rows that are padding
     (their slot is -1 and their output is never read). `cudagraph_mode` (a runtime mode:
     NONE, PIECEWISE or FULL; None means NONE) and `batch_descriptor` are the dispatcher's
     decision, which the graph wrappers obey.
     """
 
-    attn_metadata: AttentionMetadata | None
+    attn_metadata: Sequence[AttentionMetadata] | None
     kv_caches: Sequence[torch.Tensor]
     attn_backends: Sequence[AttentionBackend]
     batch_descriptor: BatchDescriptor | None = None
     is_padding: torch.Tensor | None = None
     cudagraph_mode: CUDAGraphMode | None = None
+    layer_groups: Sequence[int] = ()
+
+    def metadata_for(self, layer_index: int) -> AttentionMetadata:
+        assert self.attn_metadata is not None
+        group = self.layer_groups[layer_index] if self.layer_groups else 0
+        return self.attn_metadata[group]
 
 
 _current: ForwardContext | None = None
@@ -57,11 +66,12 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
     md = ctx.attn_metadata
     try:
         if md is not None:
-            md.activate(ctx.kv_caches, [b.spec.scale for b in ctx.attn_backends])
+            groups = ctx.layer_groups or [0] * len(ctx.kv_caches)
+            md[0].activate(md, ctx.kv_caches, groups, [b.spec for b in ctx.attn_backends])
         yield ctx
     finally:
         if md is not None:
-            md.deactivate()
+            md[0].deactivate()
         _current = None
 
 

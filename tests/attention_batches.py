@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kiln.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
@@ -92,8 +91,9 @@ def run_backend(cls: type[AttentionBackend], batch: Batch, spec: AttentionLayerS
 
 
 def dense_reference(batch: Batch, spec: AttentionLayerSpec) -> torch.Tensor:
-    """Each sequence's causal attention by SDPA over its dense K/V (context from the cache,
-    new rows from key/value), independent of any paged code: [n, heads * hd]."""
+    """Each sequence's causal attention, explicitly in float32, over its dense K/V (context
+    from the cache, new rows from key/value), independent of any paged code, with the
+    spec's window and softcap: [n, heads * hd]."""
     md, d = batch.metadata, spec.head_size
     bs, outs = md.block_size, []
     for i, (ctx, new) in enumerate(batch.shapes):
@@ -105,9 +105,36 @@ def dense_reference(batch: Batch, spec: AttentionLayerSpec) -> torch.Tensor:
         v = torch.cat([v_ctx, batch.value[start: start + new].view(new, -1, d)])
         q = batch.query[start: start + new].view(new, -1, d)
         qpos = torch.arange(new, device=q.device).unsqueeze(1) + ctx
-        mask = torch.arange(ctx + new, device=q.device).unsqueeze(0) <= qpos
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-            attn_mask=mask, scale=spec.scale, enable_gqa=True)
+        kpos = torch.arange(ctx + new, device=q.device).unsqueeze(0)
+        mask = kpos <= qpos
+        if spec.sliding_window is not None:
+            mask = mask & (kpos > qpos - spec.sliding_window)
+        qf, kf, vf = (x.transpose(0, 1).float() for x in (q, k, v))
+        group = qf.shape[0] // kf.shape[0]
+        kf, vf = kf.repeat_interleave(group, 0), vf.repeat_interleave(group, 0)
+        scores = qf @ kf.transpose(1, 2) * spec.scale
+        if spec.logits_soft_cap is not None:
+            scores = torch.tanh(scores / spec.logits_soft_cap) * spec.logits_soft_cap
+        o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vf
         outs.append(o.transpose(0, 1).reshape(new, -1))
     return torch.cat(outs).to(batch.query.dtype)
+
+
+def poison_out_of_window(batch: Batch, window: int) -> Batch:
+    """Point every block-table entry wholly before a row's window at a NaN block: a
+    backend that reads such a block (freed and perhaps reused while serving) shows it."""
+    cache = torch.cat([batch.cache, torch.full_like(batch.cache[:, :1], float("nan"))], 1)
+    nan_block = cache.shape[1] - 1
+    md = batch.metadata
+    table = md.block_table.clone()
+    for i, (ctx, _) in enumerate(batch.shapes):
+        table[i, : max(0, ctx - window + 1) // md.block_size] = nan_block
+    md.block_table = table
+    return Batch(batch.query, batch.key, batch.value, cache, md, batch.shapes)
+
+
+def windowed(spec: AttentionLayerSpec, window: int | None,
+             softcap: float | None) -> AttentionLayerSpec:
+    from dataclasses import replace
+
+    return replace(spec, sliding_window=window, logits_soft_cap=softcap)

@@ -102,7 +102,8 @@ def test_inductor_pieces_match_eager_logits(tiny_models, tmp_path):
         ids, pos = torch.randint(3, 512, (n,)), torch.arange(n)
         outs = []
         for fn in (runner.forward, runner.model):
-            ctx = ForwardContext(_prefill_metadata(n, 16), runner.kv_caches, runner.attn_backends)
+            ctx = ForwardContext([_prefill_metadata(n, 16)], runner.kv_caches,
+                                 runner.attn_backends)
             with torch.inference_mode(), set_forward_context(ctx):
                 outs.append(runner.model.compute_logits(fn(ids, pos)))
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

@@ -43,11 +43,14 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # The group's window (every layer of a KV-cache group shares its spec): None = full.
+    sliding_window: int | None = None
 
-    def activate(self, kv_caches: Sequence[torch.Tensor], scales: Sequence[float]) -> None:
-        """Called as a forward starts with this batch (with each layer's cache and softmax
-        scale); backends whose layers run outside Python (`native_layer_op`) install the
-        batch here."""
+    def activate(self, groups: Sequence[AttentionMetadata], kv_caches: Sequence[torch.Tensor],
+                 layer_groups: Sequence[int], specs: Sequence[AttentionLayerSpec]) -> None:
+        """Called on group 0's metadata as a forward starts with this batch (`groups`:
+        every KV-cache group's metadata; per layer its cache, group and spec); backends
+        whose layers run outside Python (`native_layer_op`) install the batch here."""
 
     def deactivate(self) -> None:
         """Called as that forward ends, even when it raised."""
@@ -61,6 +64,8 @@ class AttentionLayerSpec:
     num_kv_heads: int
     head_size: int
     scale: float
+    sliding_window: int | None = None  # a query at p sees keys p - window + 1 .. p
+    logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap)
 
 
 class AttentionBackend(ABC):
@@ -80,6 +85,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def supports(cls, head_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
         """None when this backend can run the configuration, else the reason it cannot."""
+
+    @classmethod
+    def supports_layer(cls, spec: AttentionLayerSpec) -> str | None:
+        """None when this backend honours the layer's window and softcap, else why not.
+        Every kiln backend does; the hook is for backends that cannot."""
+        return None
 
     @classmethod
     def build_metadata(cls, common: AttentionMetadata) -> AttentionMetadata:

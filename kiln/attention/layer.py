@@ -12,12 +12,14 @@ class Attention(nn.Module):
     """Causal paged attention for one layer; `layer_index` selects its KV cache."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 layer_index: int) -> None:
+                 layer_index: int, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} must be a multiple of "
                              f"num_key_value_heads={num_kv_heads}")
-        self.spec = AttentionLayerSpec(num_heads, num_kv_heads, head_size, scale)
+        self.spec = AttentionLayerSpec(num_heads, num_kv_heads, head_size, scale,
+                                       sliding_window, logits_soft_cap)
         self.layer_index = layer_index
         # Set by the runner from the chosen backend before tracing (`native_layer_op`).
         self.native_op = False

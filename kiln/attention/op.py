@@ -19,7 +19,8 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if ctx.attn_metadata is None:  # profiling/dummy run without a batch: nothing to attend
         return
     backend = ctx.attn_backends[layer_index]
-    backend.forward(query, key, value, ctx.kv_caches[layer_index], ctx.attn_metadata, output)
+    backend.forward(query, key, value, ctx.kv_caches[layer_index], ctx.metadata_for(layer_index),
+                    output)
 
 
 @unified_attention.register_fake

@@ -12,7 +12,9 @@ import logging
 
 import torch
 
-from kiln.attention.backend import AttentionBackend
+from typing import Sequence
+
+from kiln.attention.backend import AttentionBackend, AttentionLayerSpec
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.triton_paged import TritonPagedBackend
@@ -34,17 +36,36 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 }
 
 
+def _refusal(cls: type[AttentionBackend], head_size: int, dtype: torch.dtype,
+             device: torch.device, layers: Sequence[AttentionLayerSpec]) -> str | None:
+    """Why `cls` cannot serve this model (shape, device, or a layer's window/softcap)."""
+    reason = cls.supports(head_size, dtype, device)
+    if reason is None:
+        for spec in layers:
+            reason = cls.supports_layer(spec)
+            if reason is not None:
+                break
+    return reason
+
+
 def select_backend(name: str | None, head_size: int, dtype: torch.dtype,
-                   device: torch.device) -> type[AttentionBackend]:
+                   device: torch.device, layers: Sequence[AttentionLayerSpec] = ()
+                   ) -> type[AttentionBackend]:
+    """`layers`: every attention layer's spec, whose sliding window and softcap the backend
+    must honour (an explicit pick that cannot is a ValueError; otherwise the next backend
+    is taken, with one warning)."""
     if name is None:  # nothing named: the tuning table's pick (kiln bench kernels), if any
         from kiln.bench import preferred_attention_backend
 
-        name = preferred_attention_backend(head_size, dtype, device, BACKENDS)
+        tuned = preferred_attention_backend(head_size, dtype, device, BACKENDS)
+        if tuned is not None and tuned in BACKENDS and _refusal(
+                BACKENDS[tuned], head_size, dtype, device, layers) is None:
+            return BACKENDS[tuned]
     if name is not None and name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} is unknown; choose one of "
                          f"{', '.join(sorted(BACKENDS))}")
     if name is not None:
-        reason = BACKENDS[name].supports(head_size, dtype, device)
+        reason = _refusal(BACKENDS[name], head_size, dtype, device, layers)
         if reason is not None:
             raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; choose "
                              "another backend or leave attention_backend unset to pick one "
@@ -52,7 +73,7 @@ def select_backend(name: str | None, head_size: int, dtype: torch.dtype,
         return BACKENDS[name]
     refused: list[str] = []
     for candidate in PREFERENCE.get(device.type, tuple(BACKENDS)):
-        reason = BACKENDS[candidate].supports(head_size, dtype, device)
+        reason = _refusal(BACKENDS[candidate], head_size, dtype, device, layers)
         if reason is None:
             if refused:
                 logger.warning("attention backend %s; using %r instead", "; ".join(refused),

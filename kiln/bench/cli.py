@@ -1,8 +1,8 @@
 """`kiln bench latency | throughput | serve | compile | kernels | quality | lora |
-structured | spec | kv | pd | moe`: arguments and dispatch.
+structured | spec | kv | pd | moe | hybrid-kv`: arguments and dispatch.
 
 Every mode prints a table, writes its result as JSON with `--json PATH` (schemas in each
-mode's module docstring) and PNG charts into `--plot DIR` (kv, pd and moe draw none).
+mode's module docstring) and PNG charts into `--plot DIR` (kv, pd, moe and hybrid-kv draw none).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
     bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
                                          "| serve | compile | kernels | quality | lora "
-                                         "| structured | spec | kv | pd | moe")
+                                         "| structured | spec | kv | pd | moe | hybrid-kv")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     lat = modes.add_parser("latency", help="one fixed batch, timed per engine step")
     lat.add_argument("--batch-size", type=int, default=8)
@@ -122,7 +122,15 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     moe.add_argument("--input-len", type=int, default=32)
     moe.add_argument("--output-len", type=int, default=64)
     moe.add_argument("--repeats", type=int, default=3)
-    for p in (lat, tp, srv, comp, ker, qual, lora, st, sp, kv, pd, moe):
+    hyb = modes.add_parser("hybrid-kv", help="KV blocks a 5:1 local:global model holds at "
+                           "long context vs full attention (random Gemma 3)")
+    hyb.add_argument("--context", type=int, default=4096)
+    hyb.add_argument("--window", type=int, default=512)
+    hyb.add_argument("--pattern", type=int, default=6, help="one global layer in PATTERN")
+    hyb.add_argument("--num-layers", type=int, default=6)
+    hyb.add_argument("--output-len", type=int, default=8)
+    hyb.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
+    for p in (lat, tp, srv, comp, ker, qual, lora, st, sp, kv, pd, moe, hyb):
         _outputs(p)
 
 
@@ -205,6 +213,12 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
                 **{**vars(args), "speculative_config": spec if on else None}))
 
         result = run_spec(make_spec, args.output_len, args.repeats)
+    elif mode == "hybrid-kv":
+        from kiln.bench.hybrid_kv import format_hybrid_kv as fmt, measure_kv_blocks
+
+        result = measure_kv_blocks(args.context, args.window, args.pattern, args.num_layers,
+                                   args.output_len, args.chunk)
+        plot = _no_plots
     elif mode == "moe":
         from kiln.bench.moe import format_moe as fmt, run_moe
 

@@ -28,13 +28,15 @@ BACKENDS = ("uni", "mp", "external_launcher")
 
 
 class Executor:
-    """What the engine calls. `describe` fills kv_spec, num_kv_blocks, attention_backend."""
+    """What the engine calls. `describe` fills kv_spec (group 0's), kv_groups,
+    num_kv_blocks, attention_backend."""
 
     tp_size: int = 1
     is_driver: bool = True  # this process hands outputs to the caller
 
     def _describe(self, info: dict[str, Any]) -> None:
         self.kv_spec = info["kv_spec"]
+        self.kv_groups = info["kv_groups"]
         self.num_kv_blocks = info["num_kv_blocks"]
         self.attention_backend = info["attention_backend"]
 

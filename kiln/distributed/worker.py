@@ -83,7 +83,8 @@ class Worker:
     def describe(self) -> dict[str, Any]:
         """What the engine needs from the runner at start-up."""
         r = self.runner
-        return {"kv_spec": r.kv_spec, "num_kv_blocks": r.num_kv_blocks,
+        return {"kv_spec": r.kv_spec, "kv_groups": r.kv_groups,
+                "num_kv_blocks": r.num_kv_blocks,
                 "attention_backend": r.attn_backend_cls.name}
 
     def flush_kv_saves(self) -> dict[str, float]:

@@ -20,7 +20,8 @@ from kiln.lora.registry import AdapterRegistry
 from kiln.distributed.executor import Executor, make_executor
 from kiln.distributed.worker import RunnerSpec
 from kiln.engine.setup import (check_draft_model, check_kv_capacity, check_kv_transfer_params,
-                               check_tensor_parallel, kv_fingerprint, load_tokenizer,
+                               check_sliding_window, check_tensor_parallel, kv_fingerprint,
+                               load_tokenizer,
                                resolve_dtype, resolve_max_model_len)
 from kiln.models import ModelConfig, model_class
 from kiln.models.model_source import gguf_source, resolve_model
@@ -49,6 +50,7 @@ class LLMEngine:
         self.model_config = mc = ModelConfig.from_pretrained(path)
         model_class(mc.architecture)  # unknown architectures fail before any loading
         check_tensor_parallel(mc, config.tensor_parallel_size)
+        check_sliding_window(mc, config)
         self.quantization = qc = resolve_quantization(config.quantization, path,
                                                       gguf_source(config.model))
         if qc.method == "fp8" and config.device != "cuda":
@@ -82,12 +84,12 @@ class LLMEngine:
         # Workers stop with the engine: garbage-collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         try:
-            check_kv_capacity(self.executor.num_kv_blocks, config.block_size,
-                              self.max_model_len)
+            check_kv_capacity(self.executor.num_kv_blocks, self.executor.kv_groups,
+                              self.max_model_len, config.max_num_batched_tokens)
         except ValueError:
             self._finalizer()  # a failed start-up leaves no worker behind
             raise
-        kv = KVCacheManager(self.executor.kv_spec, self.executor.num_kv_blocks,
+        kv = KVCacheManager(self.executor.kv_groups, self.executor.num_kv_blocks,
                             enable_caching=config.enable_prefix_caching)
         # Block hashes also name blocks in a KV connector's tier.
         self._hasher = BlockHasher(config.block_size) \

@@ -9,6 +9,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.models import ModelConfig
+from kiln.scheduler.kv_cache_spec import KVCacheGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,7 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                          f"max_position_embeddings={limit}; lower max_model_len")
-    length = config.max_model_len or limit
-    window = model_config.sliding_window
-    if window is not None and window < length:
-        # kiln has no sliding-window attention yet: stay where full attention is exact.
-        logger.info("max_model_len capped at the sliding window (%d tokens)", window)
-        length = window
-    return length
+    return config.max_model_len or limit
 
 
 def check_tensor_parallel(mc: ModelConfig, tp: int) -> None:
@@ -86,11 +81,33 @@ def _tp_problems(mc: ModelConfig, tp: int) -> list[str]:
     return problems
 
 
-def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
-    capacity = (num_blocks - 1) * block_size  # block 0 is the null block
-    if capacity < max_model_len:
-        raise ValueError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
-                         f"{block_size}) but max_model_len={max_model_len}: raise "
+def check_sliding_window(mc: ModelConfig, config: EngineConfig) -> None:
+    """Features that assume every layer keeps every token's KV: a KV connector (its
+    tier stores whole-model blocks of one group) and a draft model (it reads the
+    target's block tables as its own)."""
+    if not mc.has_sliding_window:
+        return
+    if config.kv_transfer_config is not None:
+        raise ValueError(f"kv_transfer_config: {mc.architecture} has sliding-window layers "
+                         "(a hybrid KV cache), which kiln's KV connectors do not support "
+                         "yet; drop kv_transfer_config")
+    sc = config.speculative_config
+    if sc is not None and sc.uses_draft_kv:
+        raise ValueError(f"speculative_config.method={sc.method!r}: {mc.architecture} has "
+                         "sliding-window layers, whose block tables a draft model cannot "
+                         "share yet; use method 'ngram'")
+
+
+def check_kv_capacity(num_blocks: int, groups: list[KVCacheGroupSpec], max_model_len: int,
+                      max_chunk: int) -> None:
+    """One request of max_model_len tokens must fit the pool alone, in every group at
+    once (a sliding window holds only the blocks its window and a chunk reach)."""
+    block_size = groups[0].spec.block_size
+    needed = sum(g.spec.max_blocks_held(max_model_len, max_chunk) for g in groups)
+    if needed > num_blocks - 1:  # block 0 is the null block
+        raise ValueError(f"the KV cache has {num_blocks - 1} usable blocks of {block_size} "
+                         f"tokens but one request of max_model_len={max_model_len} needs "
+                         f"{needed} over {len(groups)} KV-cache group(s): raise "
                          "kv_cache_memory / num_kv_blocks or lower max_model_len")
 
 

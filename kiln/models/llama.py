@@ -25,7 +25,11 @@ from kiln.moe.layer import SparseMoeBlock, expert_checkpoint_name
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    """Q/K/V, optional per-head Q/K norms (`norm_cls`), RoPE of the layer's type, paged
+    attention with the layer's window and softcap, and the output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int,
+                 norm_cls: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         hd, tp = cfg.head_dim, tp_size()
         nh, nkv = cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)  # this rank's heads
@@ -33,11 +37,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = qkv_parallel_linear(cfg.hidden_size, cfg.num_heads,
                                             cfg.num_kv_heads, hd, cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, cfg.o_bias)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = RotaryEmbedding(hd, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
-        self.attn = Attention(nh, nkv, hd, hd ** -0.5, layer_index)
+        self.q_norm = norm_cls(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm_cls(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = RotaryEmbedding(hd, cfg.max_position_embeddings,
+                                      *cfg.layer_rope(layer_index))
+        scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
+        self.attn = Attention(nh, nkv, hd, scale, layer_index, cfg.layer_window(layer_index),
+                              cfg.attn_logit_softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -101,6 +107,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model the runner calls: hidden states from `forward`, logits on request."""
 
+    model_cls: type[nn.Module] = LlamaModel
+
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     stacked_params: dict[str, tuple[str, str]] = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -111,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.model_cls(cfg)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
 

@@ -40,6 +40,33 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     sliding_window: int | None
     moe: MoEConfig | None = None  # None: a dense MLP in every layer
+    # Per layer "sliding_attention" / "full_attention"; empty: every layer slides when
+    # `sliding_window` is set (Mistral), none otherwise.
+    layer_types: tuple[str, ...] = ()
+    # Gemma: tanh softcaps on attention scores and final logits, the query scale's
+    # denominator, the MLP activation, and RoPE per layer type ((theta, scaling)).
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
+    rope_by_layer_type: dict[str, tuple[float, dict | None]] | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, layer: int) -> tuple[float, dict | None]:
+        if self.rope_by_layer_type and self.layer_types:
+            return self.rope_by_layer_type[self.layer_types[layer]]
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.layer_window(i) is not None for i in range(self.num_layers))
 
     @classmethod
     def from_pretrained(cls, path: Path) -> ModelConfig:
@@ -53,7 +80,8 @@ class ModelConfig:
         arch = archs[0]
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        theta, scaling = _rope(hf)
+        by_type = _rope_by_layer_type(hf)
+        theta, scaling = by_type["full_attention"] if by_type else _rope(hf)
         is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         attention_bias = bool(getattr(hf, "attention_bias", False))
@@ -69,15 +97,21 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
-            qk_norm=is_qwen3, bos_token_id=getattr(hf, "bos_token_id", None),
+            qk_norm=is_qwen3 or arch == "Gemma3ForCausalLM", bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=_eos_ids(hf), checkpoint_dtype=_dtype(hf),
             sliding_window=_sliding_window(hf), moe=moe_config(arch, hf),
+            layer_types=tuple(getattr(hf, "layer_types", None) or ()),
+            attn_logit_softcap=_optional_float(hf, "attn_logit_softcapping"),
+            final_logit_softcap=_optional_float(hf, "final_logit_softcapping"),
+            query_pre_attn_scalar=_optional_float(hf, "query_pre_attn_scalar"),
+            hidden_act=_hidden_act(hf), rope_by_layer_type=by_type,
         )
 
 
-def _rope(hf: Any) -> tuple[float, dict | None]:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
-    legacy = getattr(hf, "rope_scaling", None) or {}
+def _rope(hf: Any, params: dict | None = None) -> tuple[float, dict | None]:
+    legacy = {} if params is not None else getattr(hf, "rope_scaling", None) or {}
+    params = dict(params if params is not None else
+                  getattr(hf, "rope_parameters", None) or {})
     theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     scaling = {**legacy, **params}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -88,6 +122,30 @@ def _rope(hf: Any) -> tuple[float, dict | None]:
         return theta, None
     scaling["rope_type"] = rope_type
     return theta, scaling
+
+
+def _rope_by_layer_type(hf: Any) -> dict[str, tuple[float, dict | None]] | None:
+    """Gemma 3 nests RoPE parameters per layer type; None for a flat configuration."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    if not isinstance(params.get("full_attention"), dict):
+        return None
+    return {kind: _rope(hf, p) for kind, p in params.items()}
+
+
+def _optional_float(hf: Any, name: str) -> float | None:
+    value = getattr(hf, name, None)
+    return None if value is None else float(value)
+
+
+_SUPPORTED_ACT = ("silu", "gelu_pytorch_tanh")
+
+
+def _hidden_act(hf: Any) -> str:
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None) or "silu"
+    if act not in _SUPPORTED_ACT:
+        raise ValueError(f"hidden activation {act!r} is not supported; supported: "
+                         f"{', '.join(_SUPPORTED_ACT)}")
+    return act
 
 
 def _eos_ids(hf: Any) -> tuple[int, ...]:

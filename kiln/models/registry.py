@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from kiln.models.gemma import GemmaForCausalLM
 from kiln.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -14,6 +15,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    # Sliding-window / full-attention hybrids with Gemma's norms, softcaps and scales.
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

@@ -3,16 +3,23 @@ dispatcher, and wrap the compiled pieces (PIECEWISE) and the whole forward (FULL
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
+import numpy as np
+import torch
 from torch import fx
+from tqdm import tqdm
 
 from kiln.attention import AttentionCGSupport
 from kiln.compiler import PiecewiseBackend
 from kiln.config import CompilationConfig, CompilationMode
 from kiln.graphs import (CpuTestGraph, CUDAGraphMode, CUDAGraphWrapper, CudaGraph,
                          GraphDispatcher, global_graph_pool, lower_for_attention)
+from kiln.forward_context import BatchDescriptor, set_forward_context
+from kiln.graphs import capture_phase
 from kiln.graphs.wrapper import GraphFactory
+from kiln.platform import current_platform
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +76,53 @@ def wrap_pieces(split_gm: fx.GraphModule, factory: GraphFactory) -> list[CUDAGra
 
 def wrap_full(forward: Callable[..., Any], factory: GraphFactory) -> CUDAGraphWrapper:
     return CUDAGraphWrapper(forward, CUDAGraphMode.FULL, factory, name="model")
+
+
+@torch.inference_mode()
+def capture_all(runner: Any, progress: bool = False) -> int:
+    """Capture every key the dispatcher hands out, largest first per mode, before the
+    first request; serving never captures."""
+    start = time.perf_counter()
+    warmups = current_platform(runner.device).graph_warmups
+    count = 0
+    with capture_phase():
+        for mode, descs in runner.dispatcher.capture_descriptors():
+            for desc in tqdm(descs, desc=f"capturing {mode} graphs", unit="graph",
+                             disable=not progress):
+                for _ in range(warmups):
+                    dummy_run(runner, desc, CUDAGraphMode.NONE)
+                dummy_run(runner, desc, mode)
+                count += 1
+    runner.graph_capture_s = time.perf_counter() - start
+    logger.info("captured graphs for %d descriptors (%s, sizes %s) in %.1f s", count,
+                runner.dispatcher.mode, runner.dispatcher.capture_sizes,
+                runner.graph_capture_s)
+    return count
+
+
+def dummy_run(runner: Any, desc: BatchDescriptor, mode: CUDAGraphMode) -> None:
+    """A batch of padding only, shaped like `desc`: every slot is -1 (nothing is
+    written) and every block-table row is the null block."""
+    n = desc.num_tokens
+    num_reqs = desc.num_reqs or 1
+    runner.input_ids.np[:n] = 0
+    runner.positions.np[:n] = 0
+    for slots in runner.slot_mappings:
+        slots.np[:n] = -1
+    runner.is_padding.np[:n] = True
+    runner.lora_indices.np[:n] = -1
+    runner.query_start_loc.np[0] = 0
+    if desc.uniform:  # uniform decode: every request takes n / R tokens
+        per = n // num_reqs
+        runner.query_start_loc.np[1: num_reqs + 1] = np.arange(1, num_reqs + 1) * per
+    else:  # requests 0..R-2 take one token each, the last takes the rest
+        runner.query_start_loc.np[1:num_reqs] = np.arange(1, num_reqs)
+        runner.query_start_loc.np[num_reqs] = n
+    lens = np.diff(runner.query_start_loc.np[: num_reqs + 1])
+    runner.seq_lens.np[:num_reqs] = lens
+    for table in runner.block_tables:
+        table.np[:num_reqs] = 0
+    metadata = runner.build_metadata(n, num_reqs, n, int(lens.max()))
+    ctx = runner.context(metadata, desc, runner.is_padding.device[:n], mode)
+    with set_forward_context(ctx):
+        runner.forward(runner.input_ids.device[:n], runner.positions.device[:n])

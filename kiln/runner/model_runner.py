@@ -1,7 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
 
 It owns the model, the KV cache and persistent input buffers whose addresses never change
-(`input_ids`, `positions`, `slot_mapping`, `block_table`, `query_start_loc`, `seq_lens`);
+(`input_ids`, `positions`, a `slot_mapping` and a `block_table` per KV-cache group,
+`query_start_loc`, `seq_lens`);
 each step fills their heads and the model reads slices of them. When the graph dispatcher
 picks a graph, the token count is padded to its size inside these buffers (padding rows:
 slot -1, null block, `is_padding`), so a captured graph always sees the same addresses.
@@ -12,36 +13,34 @@ nothing).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from kiln.attention import AttentionMetadata, select_backend
 from kiln.compiler import compile_model, default_cache_root
 from kiln.config import CompilationConfig, CompilationMode
 from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.kv_transfer import KVConnectorRole, KVTransferConfig, connector_for
-from kiln.graphs import CUDAGraphMode, capture_phase
+from kiln.graphs import CUDAGraphMode
 from kiln.lora import LoRAConfig, LoRARequest
 from kiln.lora.manager import LoRAManager
 from kiln.models import ModelConfig, build_model
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import pack_linears
 from kiln.ops.linear_plan import load_plans
-from kiln.platform import current_platform
 from kiln.quantization import QuantizationConfig
 from kiln.quantization.apply import apply_quantization
 from kiln.runner.buffers import CpuGpuBuffer
-from kiln.runner.cudagraphs import graph_factory, resolve_dispatcher, wrap_full, wrap_pieces
-from kiln.runner.kv_cache import allocate_kv_cache, num_blocks_for
+from kiln.runner.cudagraphs import (capture_all, graph_factory, resolve_dispatcher, wrap_full,
+                                    wrap_pieces)
+from kiln.runner.kv_cache import build_kv_cache
 from kiln.runner.prompt_logprobs import compute_prompt_logprobs
 from kiln.sampling import Sampler, SamplingParams
 from kiln.runner.sample_step import sample_step
-from kiln.scheduler import FullAttentionSpec, ModelRunnerOutput, SchedulerOutput
+from kiln.scheduler import ModelRunnerOutput, SchedulerOutput
 from kiln.spec_decode import SpeculativeConfig
 from kiln.spec_decode.drafter import make_drafter
 
@@ -52,7 +51,7 @@ logger = logging.getLogger(__name__)
 class CachedRequestState:
     req_id: str
     token_ids: list[int]  # prompt + every token sampled so far
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
@@ -69,7 +68,7 @@ class StepRow:
 
     token_ids: list[int]
     start: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group
     lora_slot: int = -1  # -1: the base model
 
 
@@ -108,22 +107,19 @@ class ModelRunner:
                         pack_linears(self.model, plans),
                         "; ".join(f"{n}x{k}: {p.describe()}" for (n, k), p in plans.items())
                         or "no tuning table entries: packed at every row count")
-        backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device)
         layers = self.model.attention_layers()
+        backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device,
+                                     [layer.spec for layer in layers])
         self.attn_backend_cls = backend_cls
         self.attn_backends = [backend_cls(layer.spec) for layer in layers]
         for layer in layers:  # before tracing: the layer's call is fixed in the graph
             layer.native_op = backend_cls.native_layer_op
-        # This rank's KV heads (all of them without tensor parallelism).
-        self.kv_spec = FullAttentionSpec(limits.block_size, layers[0].spec.num_kv_heads,
-                                         model_config.head_dim, dtype)
-        self.num_kv_blocks = num_blocks_for(self.kv_spec, len(layers), kv_cache_memory,
-                                            num_kv_blocks)
-        self._kv_buffer, self.kv_caches = allocate_kv_cache(self.kv_spec, len(layers),
-                                                            self.num_kv_blocks, device)
-        logger.info("attention backend %s; KV cache %d blocks x %d tokens (%.1f MiB)",
-                    backend_cls.name, self.num_kv_blocks, limits.block_size,
-                    self._kv_buffer.numel() * self._kv_buffer.element_size() / 2**20)
+        # KV-cache groups over this rank's KV heads, one pool, each layer's slot view.
+        kv = build_kv_cache([layer.spec for layer in layers], limits.block_size, dtype,
+                            device, kv_cache_memory, num_kv_blocks)
+        self.kv_groups, self.kv_spec, self.layer_groups = kv.groups, kv.spec, kv.layer_groups
+        self.num_kv_blocks, self._kv_buffer, self.kv_caches = kv.num_blocks, kv.buffer, kv.caches
+        logger.info("attention backend %s; %s", backend_cls.name, kv.describe())
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._alloc_buffers()
@@ -131,7 +127,7 @@ class ModelRunner:
         self.lora = None if lora is None else LoRAManager(
             self.model, lora, self.lora_indices.device, dtype)
         # Copied to the device every step (the LoRA indices only when a graph reads them).
-        self._step_buffers = (self.input_ids, self.positions, self.slot_mapping,
+        self._step_buffers = (self.input_ids, self.positions, *self.slot_mappings,
                               self.is_padding) + ((self.lora_indices,) if self.lora else ())
         # Resolved before compiling: a compile size that padding would skip fails fast.
         # With speculation, uniform decode also comes as 1 + k tokens per request.
@@ -158,6 +154,12 @@ class ModelRunner:
             kv_transfer[0], KVConnectorRole.WORKER, kv_transfer[1], self.kv_spec,
             len(self.kv_caches), self.quantization)
 
+    def context(self, metadata: list[AttentionMetadata] | None,
+                 desc: BatchDescriptor | None = None, padding: torch.Tensor | None = None,
+                 mode: CUDAGraphMode | None = None) -> ForwardContext:
+        return ForwardContext(metadata, self.kv_caches, self.attn_backends, desc, padding,
+                              mode, self.layer_groups)
+
     @torch.inference_mode()
     def _compile_now(self) -> None:
         """Trace and compile (or load) every size and range before the first request.
@@ -165,7 +167,7 @@ class ModelRunner:
         The trace is symbolic in the token count, so a short dummy batch suffices (a full
         2048-token forward would cost seconds); a second call with one token must reuse
         what was built. Attention is a no-op without metadata."""
-        ctx = ForwardContext(None, self.kv_caches, self.attn_backends)
+        ctx = self.context(None)
         for n in (min(self.limits.max_num_batched_tokens, 16), 1):
             with set_forward_context(ctx):
                 self.forward(self.input_ids.device[:n], self.positions.device[:n])
@@ -182,49 +184,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_model(self, progress: bool = False) -> int:
-        """Capture every key the dispatcher hands out, largest first per mode, before the
-        first request; serving never captures."""
-        start = time.perf_counter()
-        warmups = current_platform(self.device).graph_warmups
-        count = 0
-        with capture_phase():
-            for mode, descs in self.dispatcher.capture_descriptors():
-                for desc in tqdm(descs, desc=f"capturing {mode} graphs", unit="graph",
-                                 disable=not progress):
-                    for _ in range(warmups):
-                        self._dummy_run(desc, CUDAGraphMode.NONE)
-                    self._dummy_run(desc, mode)
-                    count += 1
-        self.graph_capture_s = time.perf_counter() - start
-        logger.info("captured graphs for %d descriptors (%s, sizes %s) in %.1f s", count,
-                    self.dispatcher.mode, self.dispatcher.capture_sizes, self.graph_capture_s)
-        return count
-
-    def _dummy_run(self, desc: BatchDescriptor, mode: CUDAGraphMode) -> None:
-        """A batch of padding only, shaped like `desc`: every slot is -1 (nothing is
-        written) and every block-table row is the null block."""
-        n = desc.num_tokens
-        num_reqs = desc.num_reqs or 1
-        self.input_ids.np[:n] = 0
-        self.positions.np[:n] = 0
-        self.slot_mapping.np[:n] = -1
-        self.is_padding.np[:n] = True
-        self.lora_indices.np[:n] = -1
-        self.query_start_loc.np[0] = 0
-        if desc.uniform:  # uniform decode: every request takes n / R tokens
-            per = n // num_reqs
-            self.query_start_loc.np[1: num_reqs + 1] = np.arange(1, num_reqs + 1) * per
-        else:  # requests 0..R-2 take one token each, the last takes the rest
-            self.query_start_loc.np[1:num_reqs] = np.arange(1, num_reqs)
-            self.query_start_loc.np[num_reqs] = n
-        lens = np.diff(self.query_start_loc.np[: num_reqs + 1])
-        self.seq_lens.np[:num_reqs] = lens
-        self.block_table.np[:num_reqs] = 0
-        metadata = self._build_metadata(n, num_reqs, n, int(lens.max()))
-        ctx = ForwardContext(metadata, self.kv_caches, self.attn_backends, desc,
-                             self.is_padding.device[:n], mode)
-        with set_forward_context(ctx):
-            self.forward(self.input_ids.device[:n], self.positions.device[:n])
+        """Capture every key the dispatcher hands out before the first request; serving
+        never captures."""
+        return capture_all(self, progress)
 
     def _alloc_buffers(self) -> None:
         lim, dev = self.limits, self.device
@@ -232,10 +194,13 @@ class ModelRunner:
         max_blocks = -(-lim.max_model_len // lim.block_size)
         self.input_ids = CpuGpuBuffer(max_tokens, dtype=torch.int64, device=dev)
         self.positions = CpuGpuBuffer(max_tokens, dtype=torch.int64, device=dev)
-        self.slot_mapping = CpuGpuBuffer(max_tokens, dtype=torch.int64, device=dev)
+        # One slot mapping and block table per KV-cache group.
+        self.slot_mappings = [CpuGpuBuffer(max_tokens, dtype=torch.int64, device=dev)
+                              for _ in self.kv_groups]
         self.query_start_loc = CpuGpuBuffer(max_reqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = CpuGpuBuffer(max_reqs, dtype=torch.int32, device=dev)
-        self.block_table = CpuGpuBuffer(max_reqs, max_blocks, dtype=torch.int32, device=dev)
+        self.block_tables = [CpuGpuBuffer(max_reqs, max_blocks, dtype=torch.int32, device=dev)
+                             for _ in self.kv_groups]
         self.is_padding = CpuGpuBuffer(max_tokens, dtype=torch.bool, device=dev)
         self.lora_indices = CpuGpuBuffer(max_tokens, dtype=torch.int64, device=dev)
         self.lora_indices.np[:] = -1  # each token's LoRA slot; -1: the base model
@@ -252,12 +217,13 @@ class ModelRunner:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed)
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.token_ids), list(new.block_ids),
+                new.req_id, list(new.token_ids), [list(ids) for ids in new.block_ids],
                 new.num_computed_tokens, params, gen, new.num_prompt_tokens,
                 new.eos_token_ids, new.lora_request)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
+                ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- one step ------------------------------------------------------------------------
@@ -324,8 +290,11 @@ class ModelRunner:
         attention metadata and runs the model. Returns the hidden states, padded rows
         included ([padded tokens, hidden]); row r's tokens are at query_start_loc[r]..."""
         bs, num_reqs = self.limits.block_size, len(rows)
-        qsl, seq_lens, table = self.query_start_loc.np, self.seq_lens.np, self.block_table.np
-        table[:num_reqs] = 0  # unused entries point at the null block
+        qsl, seq_lens = self.query_start_loc.np, self.seq_lens.np
+        tables = [t.np for t in self.block_tables]
+        slot_maps = [m.np for m in self.slot_mappings]
+        for table in tables:
+            table[:num_reqs] = 0  # unused entries point at the null block
         qsl[0] = offset = 0
         for i, row in enumerate(rows):
             n = len(row.token_ids)
@@ -335,8 +304,9 @@ class ModelRunner:
             self.positions.np[offset: offset + n] = pos
             if self.lora is not None:
                 self.lora_indices.np[offset: offset + n] = row.lora_slot
-            table[i, : len(row.block_ids)] = row.block_ids
-            self.slot_mapping.np[offset: offset + n] = table[i, pos // bs] * bs + pos % bs
+            for table, slots, ids in zip(tables, slot_maps, row.block_ids):
+                table[i, : len(ids)] = ids
+                slots[offset: offset + n] = table[i, pos // bs] * bs + pos % bs
             offset += n
             seq_lens[i], qsl[i + 1] = end, offset
         max_query_len = int(np.diff(qsl[: num_reqs + 1]).max())
@@ -347,7 +317,8 @@ class ModelRunner:
         # Padding rows: token 0 at position 0, slot -1 (never written), flagged.
         self.input_ids.np[offset:padded] = 0
         self.positions.np[offset:padded] = 0
-        self.slot_mapping.np[offset:padded] = -1
+        for slots in slot_maps:
+            slots[offset:padded] = -1
         if self.lora is not None:
             self.lora_indices.np[offset:padded] = -1
         self.is_padding.np[:offset] = False
@@ -360,13 +331,13 @@ class ModelRunner:
             for i in range(num_reqs, desc.num_reqs):
                 take = min(per, padded - int(qsl[i]))
                 qsl[i + 1], seq_lens[i] = qsl[i] + take, take
-                table[i] = 0
+                for table in tables:
+                    table[i] = 0
             num_reqs, offset_md = desc.num_reqs, padded
         else:
             offset_md = offset
-        common = self._build_metadata(offset_md, num_reqs, padded, max_query_len)
-        ctx = ForwardContext(self.attn_backend_cls.build_metadata(common), self.kv_caches,
-                             self.attn_backends, desc, self.is_padding.device[:padded], mode)
+        metadata = self.build_metadata(offset_md, num_reqs, padded, max_query_len)
+        ctx = self.context(metadata, desc, self.is_padding.device[:padded], mode)
         with set_forward_context(ctx):
             return self.forward(self.input_ids.device[:padded], self.positions.device[:padded])
 
@@ -379,21 +350,30 @@ class ModelRunner:
         slot_of = self.lora.activate(r for r in loras if r is not None)
         return [-1 if r is None else slot_of[r.lora_int_id] for r in loras]
 
-    def _build_metadata(self, num_actual_tokens: int, num_reqs: int, num_padded: int,
-                        max_query_len: int) -> AttentionMetadata:
-        """Common metadata as slices of the persistent buffers (fixed addresses: a FULL
-        graph reads them on replay). `slot_mapping` covers the padded rows."""
+    def build_metadata(self, num_actual_tokens: int, num_reqs: int, num_padded: int,
+                        max_query_len: int) -> list[AttentionMetadata]:
+        """The backend's metadata per KV-cache group, from common metadata made of slices
+        of the persistent buffers (fixed addresses: a FULL graph reads them on replay).
+        Groups share the rows and differ in block table, slot mapping and window. The
+        slot mappings cover the padded rows."""
         for buf in self._step_buffers:
             buf.copy_to_device(num_padded)
         seq_lens = self.seq_lens.np
-        return AttentionMetadata(
-            num_actual_tokens=num_actual_tokens, num_reqs=num_reqs,
-            query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
-            seq_lens=self.seq_lens.copy_to_device(num_reqs),
-            block_table=self.block_table.copy_to_device(num_reqs),
-            slot_mapping=self.slot_mapping.device[:num_padded],
-            query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1].tolist(),
-            seq_lens_cpu=seq_lens[:num_reqs].tolist(),
-            max_query_len=max_query_len, max_seq_len=int(seq_lens[:num_reqs].max()),
-            block_size=self.limits.block_size)
+        qsl = self.query_start_loc.copy_to_device(num_reqs + 1)
+        lens = self.seq_lens.copy_to_device(num_reqs)
+        qsl_cpu = self.query_start_loc.np[: num_reqs + 1].tolist()
+        lens_cpu = seq_lens[:num_reqs].tolist()
+        out = []
+        for group, table, slots in zip(self.kv_groups, self.block_tables, self.slot_mappings):
+            common = AttentionMetadata(
+                num_actual_tokens=num_actual_tokens, num_reqs=num_reqs,
+                query_start_loc=qsl, seq_lens=lens,
+                block_table=table.copy_to_device(num_reqs),
+                slot_mapping=slots.device[:num_padded],
+                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu,
+                max_query_len=max_query_len, max_seq_len=int(seq_lens[:num_reqs].max()),
+                block_size=self.limits.block_size,
+                sliding_window=getattr(group.spec, "sliding_window", None))
+            out.append(self.attn_backend_cls.build_metadata(common))
+        return out
 

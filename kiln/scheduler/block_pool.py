@@ -122,8 +122,11 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on cache hits; a free one leaves the free queue first."""
+        """Take a reference on cache hits; a free one leaves the free queue first. The
+        null block (a sliding window's out-of-window hit) is never counted."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1

@@ -1,11 +1,22 @@
-"""KVCacheManager: the ledger of which blocks each request holds, and prefix-cache hits."""
+"""KVCacheManager: the ledger of which blocks each request holds, per KV-cache group,
+and prefix-cache hits (the hybrid coordinator).
+
+One manager per group (kiln.scheduler.single_type_manager), all over one BlockPool.
+Block lists and hits are tuples with one entry per group. A prefix hit must hold in
+every group, so its length is a fixed point: each group's longest hit no longer than
+the current length, until no group shortens it (full attention is prefix-closed; a
+sliding window may need a shorter length to find its window cached).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kiln.engine.request import Request
 from kiln.scheduler.block_pool import BlockPool, KVCacheBlock
-from kiln.scheduler.kv_cache_spec import KVCacheSpec
+from kiln.scheduler.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
+from kiln.scheduler.single_type_manager import SingleTypeManager, manager_class
+
+BlockLists = tuple[list[KVCacheBlock], ...]  # one list per group
 
 
 @dataclass(slots=True)
@@ -19,34 +30,52 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int,
+    def __init__(self, groups: list[KVCacheGroupSpec] | KVCacheSpec, num_blocks: int,
                  enable_caching: bool = False) -> None:
-        self.spec = spec
-        self.block_size = spec.block_size
+        if isinstance(groups, KVCacheSpec):  # one group: every layer the same spec
+            groups = [KVCacheGroupSpec(groups, ())]
+        self.groups = groups
+        self.block_size = groups[0].spec.block_size
         self.block_pool = BlockPool(num_blocks)
+        self.managers: list[SingleTypeManager] = [
+            manager_class(g.spec)(g.spec, self.block_pool, i) for i, g in enumerate(groups)]
         self.enable_caching = enable_caching
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self._num_cached: dict[str, int] = {}  # blocks of each request already registered
         self.stats = PrefixCacheStats()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
 
     @property
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of `request`, in blocks, and its token count. Capped
-        at num_tokens - 1: the last token is always computed, so logits exist. A request
-        that wants prompt logprobs computes its whole prompt (a hit has no logits)."""
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """Group 0's block lists (a KV connector runs only with one group)."""
+        return self.managers[0].req_to_blocks
+
+    def empty(self) -> BlockLists:
+        return tuple([] for _ in self.managers)
+
+    def get_computed_blocks(self, request: Request) -> tuple[BlockLists, int]:
+        """The longest prefix cached in every group, as per-group blocks, and its token
+        count. Capped at num_tokens - 1: the last token is always computed, so logits
+        exist. A request that wants prompt logprobs computes its whole prompt (a hit has
+        no logits)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+            return self.empty(), 0
+        hashes = request.block_hashes
+        length = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        while True:
+            shorter = length
+            for m in self.managers:
+                shorter = min(shorter, len(m.find_hit(hashes, shorter)))
+            if shorter == length:
                 break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            length = shorter
+        hits = tuple(m.find_hit(hashes, length) for m in self.managers)
+        return hits, length * self.block_size
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (not every retry while it waits)."""
@@ -55,52 +84,49 @@ class KVCacheManager:
             self.stats.hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: list[KVCacheBlock] | None = None,
+                       computed: BlockLists | None = None,
                        num_lookahead: int = 0,
-                       num_external_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens of `request`, after taking the
-        prefix-cache hits `computed` (only for a request that holds no blocks yet), plus
-        `num_lookahead` slots beyond them that a draft model writes ahead (never cached).
-        `num_external_tokens` (whole blocks, right after the hits) are loaded by a KV
-        connector before this step's forward: they get new blocks, cached like computed
-        ones (their KV is in place before any later step can read it through a hit).
+                       num_external_tokens: int = 0) -> BlockLists | None:
+        """Make room for `num_new_tokens` more tokens of `request` in every group, after
+        taking the prefix-cache hits `computed` (only for a request that holds no blocks
+        yet), plus `num_lookahead` slots beyond them that a draft model writes ahead
+        (never cached). `num_external_tokens` (whole blocks, right after the hits) are
+        loaded by a KV connector before this step's forward: they get new blocks, cached
+        like computed ones (their KV is in place before any later step can read it).
+        First, blocks a sliding window no longer reaches go back to the pool.
 
-        Returns the newly allocated blocks (possibly none), or None when the pool cannot
-        supply them; in that case nothing changes."""
-        computed = computed or []
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        done = request.num_computed_tokens + len(computed) * self.block_size \
-            + num_external_tokens
-        needed = -(-(done + num_new_tokens + num_lookahead) // self.block_size) \
-            - len(blocks) - len(computed)
+        Returns the newly allocated blocks per group (possibly none), or None when the
+        pool cannot supply them; in that case nothing but those freed blocks changes."""
+        computed = computed or self.empty()
+        rid = request.request_id
+        num_hits = len(computed[0])
+        done = request.num_computed_tokens + num_hits * self.block_size + num_external_tokens
+        for m in self.managers:
+            m.remove_skipped_blocks(rid, request.num_computed_tokens)
+        total = done + num_new_tokens + num_lookahead
+        needed = [m.num_needed(rid, num_hits, total) for m in self.managers]
         # Hits that sit in the free queue stop being allocatable once touched.
-        free = self.block_pool.get_num_free_blocks() - sum(b.ref_cnt == 0 for b in computed)
-        if needed > free:
+        touched = sum(b.ref_cnt == 0 and not b.is_null for hits in computed for b in hits)
+        if sum(needed) > self.block_pool.get_num_free_blocks() - touched:
             return None
-        self.block_pool.touch(computed)
-        new_blocks = self.block_pool.get_new_blocks(max(needed, 0))
-        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
-        blocks.extend(computed)
-        blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, done + num_new_tokens)
-        return new_blocks
+        new = []
+        for m, hits, n in zip(self.managers, computed, needed):
+            self.block_pool.touch(hits)
+            blocks = self.block_pool.get_new_blocks(n)
+            m.append(rid, hits, blocks)
+            if self.enable_caching:
+                m.cache_full_blocks(rid, request.block_hashes, done + num_new_tokens)
+            new.append(blocks)
+        return tuple(new)
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
-                           num_tokens: int) -> None:
-        """Register the blocks this step fills (their KV is written in this step's
-        forward, before any later step can read it through a hit)."""
-        full = min(num_tokens // self.block_size, len(request.block_hashes))
-        start = self._num_cached.get(request.request_id, 0)
-        for i in range(start, full):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
-        self._num_cached[request.request_id] = max(start, full)
+    def num_blocks_for(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once, every group."""
+        return sum(g.spec.max_blocks_held(num_tokens, max_chunk) for g in self.groups)
 
     def free(self, request: Request) -> None:
-        """Release every block of `request`, tail first (tails are the least reusable)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self._num_cached.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        for m in self.managers:
+            m.free(request.request_id)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, [])]
+                     for m in self.managers)

@@ -21,7 +21,7 @@ class NewRequestData:
 
     req_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV-cache group
     num_computed_tokens: int
     sampling_params: SamplingParams
     num_prompt_tokens: int
@@ -34,7 +34,7 @@ class CachedRequestData:
     """A request already in the runner: the blocks it gained this step."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # one list per KV-cache group
     num_computed_tokens: int
 
 

@@ -15,8 +15,7 @@ from concurrent import futures
 from typing import TYPE_CHECKING
 
 from kiln.engine.request import Request, RequestStatus
-from kiln.scheduler.block_pool import KVCacheBlock
-from kiln.scheduler.kv_cache_manager import KVCacheManager
+from kiln.scheduler.kv_cache_manager import BlockLists, KVCacheManager
 from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
 from kiln.scheduler.step import EngineCoreOutput, SchedulerPolicy, SchedulerStats, StepPlan
@@ -141,7 +140,7 @@ class Scheduler:
             if new_blocks is None:  # the request itself was preempted
                 continue
             step.cached[request.request_id] = CachedRequestData(
-                request.request_id, [b.block_id for b in new_blocks],
+                request.request_id, tuple([b.block_id for b in g] for g in new_blocks),
                 request.num_computed_tokens)
             step.take(request.request_id, num_new)
             if spec:
@@ -232,7 +231,7 @@ class Scheduler:
     def _admit(self, request: Request, step: StepPlan) -> bool | None:
         """Admit `request` if its blocks fit: True; False stops admission this step;
         None passes over it (its KV is still arriving from another instance)."""
-        computed: list[KVCacheBlock] = []
+        computed = self.kv.empty()
         num_computed = request.num_computed_tokens
         num_external = 0  # tokens a KV connector loads right after the local hit
         if num_computed == 0:
@@ -244,7 +243,7 @@ class Scheduler:
                     return None
         num_new = self._chunk(request.num_tokens - num_computed - num_external, step)
         done = num_computed + num_external
-        if not self._fits(request, done + num_new, len(computed)):
+        if not self._fits(request, done + num_new, computed):
             return False
         new_blocks = self.kv.allocate_slots(request, num_new, computed,
                                             self._lookahead(done + num_new), num_external)
@@ -252,7 +251,8 @@ class Scheduler:
             return False
         if num_external:
             self.connector.update_state_after_alloc(
-                request, [b.block_id for b in new_blocks[: num_external // self.kv.block_size]])
+                request, [b.block_id
+                          for b in new_blocks[0][: num_external // self.kv.block_size]])
         if request.num_computed_tokens == 0:
             self.kv.record_lookup(request.num_tokens, num_computed)
         num_computed = done
@@ -268,22 +268,23 @@ class Scheduler:
         step.take(request.request_id, num_new)
         return True
 
-    def _fits(self, request: Request, num_tokens: int, num_hit_blocks: int) -> bool:
+    def _fits(self, request: Request, num_tokens: int, hits: BlockLists) -> bool:
         """Admission checks beyond "the blocks for this step exist" (which allocate_slots
         makes). With nothing running every request must be admissible, or it would wait
         forever: start-up checked that max_model_len fits the whole cache."""
         if not self.running:
             return True
-        pool, bs = self.kv.block_pool, self.kv.block_size
+        pool = self.kv.block_pool
         if self.policy.full_sequence_must_fit:
             max_tokens = request.sampling_params.max_tokens or self.max_model_len
             num_tokens = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
-        needed = -(-num_tokens // bs) - num_hit_blocks
+        needed = self.kv.num_blocks_for(num_tokens, self.max_num_batched_tokens) \
+            - sum(not b.is_null for group in hits for b in group)
         reserve = int(self.policy.watermark * (pool.num_blocks - 1))
         return pool.get_num_free_blocks() - needed >= reserve
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             step: StepPlan) -> list[KVCacheBlock] | None:
+                             step: StepPlan) -> BlockLists | None:
         while True:
             blocks = self.kv.allocate_slots(request, num_new,
                                             num_lookahead=self._lookahead(

@@ -75,7 +75,7 @@ class DraftModelDrafter:
         for _ in range(self.k):
             # A position past the model's length or the allocated blocks is not drafted.
             cur = [(s, row) for s, row in cur
-                   if row.start < min(max_len, len(row.block_ids) * bs)]
+                   if row.start < min(max_len, len(row.block_ids[0]) * bs)]
             if not cur:
                 break
             hidden = r.forward_rows([row for _, row in cur])

@@ -22,7 +22,8 @@ from typing import Sequence
 
 import torch
 
-from kiln.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
+from kiln.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionLayerSpec,
+                                    AttentionMetadata)
 from kiln.ops import cpu_kernels
 
 # Rows of up to this many tokens, after a context at least as long, run as decode rows.
@@ -34,11 +35,16 @@ class CpuPagedMetadata(AttentionMetadata):
     decode_reqs: torch.Tensor | None = None  # [R] int64, single-token requests
     prefill_reqs: torch.Tensor | None = None  # [P] int64, the others
 
-    def activate(self, kv_caches: Sequence[torch.Tensor], scales: Sequence[float]) -> None:
-        torch.ops.kiln_cpu.set_batch(list(kv_caches), [float(s) for s in scales],
-                                     self.slot_mapping, self.block_table,
-                                     self.seq_lens, self.query_start_loc, self.decode_reqs,
-                                     self.prefill_reqs, self.num_actual_tokens)
+    def activate(self, groups: Sequence[AttentionMetadata], kv_caches: Sequence[torch.Tensor],
+                 layer_groups: Sequence[int], specs: Sequence[AttentionLayerSpec]) -> None:
+        # Rows (and their split) are the same in every group: only tables and slots differ.
+        torch.ops.kiln_cpu.set_batch(
+            list(kv_caches), [float(s.scale) for s in specs],
+            [s.sliding_window or 0 for s in specs],
+            [float(s.logits_soft_cap or 0.0) for s in specs], list(layer_groups),
+            [g.slot_mapping for g in groups], [g.block_table for g in groups],
+            self.seq_lens, self.query_start_loc, self.decode_reqs, self.prefill_reqs,
+            self.num_actual_tokens)
 
     def deactivate(self) -> None:
         torch.ops.kiln_cpu.clear_batch()
@@ -120,7 +126,7 @@ class CpuPagedBackend(AttentionBackend):
         if not isinstance(metadata, CpuPagedMetadata):
             metadata = self.build_metadata(metadata)
         s, t = self.spec, query.shape[0]
-        metadata.activate([kv_cache], [s.scale])
+        metadata.activate([metadata], [kv_cache], [0], [s])
         try:
             torch.ops.kiln_cpu.unified_attention(
                 query.view(t, s.num_heads, s.head_size),

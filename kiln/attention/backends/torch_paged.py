@@ -3,6 +3,12 @@
 Single-token (decode) rows run as one batched SDPA over their gathered blocks; the other
 rows (prefill chunks, possibly with context) loop on the host, lengths coming from the
 metadata's CPU mirrors, each with a bottom-right-aligned causal mask.
+
+A sliding window masks keys before p - window + 1 for the query at p, and only the
+blocks a row's window reaches are gathered (out-of-window entries of a block table may
+be the null block or blocks already handed to another request). A softcap
+(cap * tanh(scores / cap), Gemma 2) runs the scores explicitly, as transformers' eager
+attention does; SDPA has no softcap.
 """
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from kiln.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
+from kiln.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionLayerSpec,
+                                    AttentionMetadata)
 
 
 @dataclass(slots=True)
@@ -20,8 +27,8 @@ class DecodeBatch:
 
     rows: list[int]  # request rows that decode
     tokens: torch.Tensor  # [R] their query token rows
-    table: torch.Tensor  # [R, nb] block ids up to the longest context (0 = null block)
-    pad: torch.Tensor  # [R, 1, nb * block_size] True where a key position is not real
+    table: torch.Tensor  # [R, nb] block ids from each row's first block (0 = null block)
+    pad: torch.Tensor  # [R, 1, nb * block_size] True where a key is not real or not seen
 
 
 @dataclass(slots=True)
@@ -45,7 +52,7 @@ class TorchPagedBackend(AttentionBackend):
         qsl = common.query_start_loc_cpu
         rows = [i for i in range(common.num_reqs) if qsl[i + 1] - qsl[i] == 1]
         base = {f.name: getattr(common, f.name) for f in fields(AttentionMetadata)}
-        decode = _decode_batch(common, rows) if rows else None
+        decode = _decode_batch(common, rows, common.sliding_window) if rows else None
         return TorchPagedMetadata(**base, decode=decode)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -64,17 +71,21 @@ class TorchPagedBackend(AttentionBackend):
         qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         decode = metadata.decode
         if decode is not None:
+            if metadata.sliding_window != s.sliding_window:  # metadata made for another
+                decode = _decode_batch(metadata, decode.rows, s.sliding_window)
             self._batched_decode(q, key_cache, value_cache, decode, out)
         done = set(decode.rows) if decode is not None else set()
         for i in range(metadata.num_reqs):
             if i in done:
                 continue
             start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
-            blocks = metadata.block_table[i, : -(-seq_len // block_size)]
-            keys = _gather(key_cache, blocks, seq_len)  # [kv_heads, seq_len, hd]
-            values = _gather(value_cache, blocks, seq_len)
+            first = _first_block(seq_len - (end - start), s.sliding_window, block_size)
+            blocks = metadata.block_table[i, first: -(-seq_len // block_size)]
+            offset = first * block_size
+            keys = _gather(key_cache, blocks, seq_len - offset)  # [kv_heads, len, hd]
+            values = _gather(value_cache, blocks, seq_len - offset)
             out[start:end] = _attend(q[start:end].transpose(0, 1), keys, values,
-                                     s.scale).transpose(0, 1)
+                                     s, seq_len).transpose(0, 1)
 
     def _batched_decode(self, q: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, decode: DecodeBatch,
@@ -94,20 +105,46 @@ class TorchPagedBackend(AttentionBackend):
         result = torch.empty_like(query)
         for h in range(s.num_kv_heads):
             scores = torch.bmm(query[:, h], keys[:, :, h].transpose(1, 2))  # [R, G, L]
-            probs = (scores * s.scale).masked_fill(decode.pad, float("-inf")).softmax(
+            scores = _soft_cap(scores * s.scale, s.logits_soft_cap)
+            probs = scores.masked_fill(decode.pad, float("-inf")).softmax(
                 dim=-1, dtype=torch.float32).to(values.dtype)
             result[:, h] = torch.bmm(probs, values[:, :, h])
         out[decode.tokens] = result.view(r, s.num_heads, s.head_size)
 
 
-def _decode_batch(md: AttentionMetadata, rows: list[int]) -> DecodeBatch:
-    max_len = max(md.seq_lens_cpu[i] for i in rows)
+def _decode_batch(md: AttentionMetadata, rows: list[int], window: int | None) -> DecodeBatch:
+    """Each row's blocks from the first its window reaches (block 0 without a window),
+    shifted to start the table, and the mask of key positions that are not real or out
+    of the window."""
+    bs, lens = md.block_size, md.seq_lens_cpu
+    firsts = [_first_block(lens[i] - 1, window, bs) for i in rows]
+    width = max(-(-lens[i] // bs) - f for i, f in zip(rows, firsts))
     idx = torch.tensor(rows, device=md.block_table.device)
-    table = md.block_table[idx, : -(-max_len // md.block_size)].long()
-    length = table.shape[1] * md.block_size
-    pad = (torch.arange(length, device=idx.device).unsqueeze(0)
-           >= md.seq_lens[idx].unsqueeze(1))[:, None, :]
-    return DecodeBatch(rows, md.query_start_loc[idx].long(), table, pad)
+    if any(firsts):
+        cols = torch.tensor(firsts, device=idx.device).unsqueeze(1) + torch.arange(
+            width, device=idx.device)
+        cols = cols.clamp(max=md.block_table.shape[1] - 1)
+        table = md.block_table[idx.unsqueeze(1), cols].long()
+    else:
+        table = md.block_table[idx, :width].long()
+    first = (torch.tensor(firsts, device=idx.device) * bs).unsqueeze(1)
+    pos = first + torch.arange(width * bs, device=idx.device).unsqueeze(0)
+    lens = md.seq_lens[idx].unsqueeze(1)
+    pad = pos >= lens
+    if window is not None:
+        pad = pad | (pos < lens - window)
+    return DecodeBatch(rows, md.query_start_loc[idx].long(), table, pad[:, None, :])
+
+
+def _first_block(context_len: int, window: int | None, block_size: int) -> int:
+    """The first block a row's window reaches: its first query sits at `context_len`."""
+    if window is None:
+        return 0
+    return max(0, context_len - window + 1) // block_size
+
+
+def _soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
@@ -135,14 +172,26 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Te
     return rows.transpose(0, 1)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [heads, q_len, hd]; k/v: [kv_heads, seq_len, hd]. Query row i sits at absolute
-    position seq_len - q_len + i and sees keys 0..that position."""
-    q_len, seq_len = q.shape[1], k.shape[1]
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionLayerSpec,
+            seq_len: int) -> torch.Tensor:
+    """q: [heads, q_len, hd]; k/v: [kv_heads, n, hd], the last n keys of `seq_len`. Query
+    row i sits at absolute position seq_len - q_len + i and sees keys up to it (and, with
+    a window, no further back than window - 1 before it)."""
+    q_len, n = q.shape[1], k.shape[1]
+    qpos = torch.arange(q_len, device=q.device).unsqueeze(1) + (seq_len - q_len)
+    kpos = torch.arange(n, device=q.device).unsqueeze(0) + (seq_len - n)
     mask = None
-    if q_len > 1:
-        offset = seq_len - q_len
-        qpos = torch.arange(q_len, device=q.device).unsqueeze(1) + offset
-        mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= qpos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[0] != k.shape[0])
+    if q_len > 1 or spec.sliding_window is not None:
+        mask = kpos <= qpos
+        if spec.sliding_window is not None:
+            mask = mask & (kpos > qpos - spec.sliding_window)
+    if spec.logits_soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale,
+                                              enable_gqa=q.shape[0] != k.shape[0])
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = _soft_cap(torch.matmul(q, k.transpose(1, 2)) * spec.scale, spec.logits_soft_cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v)

@@ -71,4 +71,5 @@ class TritonPagedBackend(AttentionBackend):
         self._attention(query.view(t, s.num_heads, s.head_size), key_cache, value_cache,
                         output.view(t, s.num_heads, s.head_size), metadata.block_table,
                         metadata.seq_lens, metadata.query_start_loc, s.scale,
-                        config=self.kernel_config)
+                        config=self.kernel_config, sliding_window=s.sliding_window,
+                        logits_soft_cap=s.logits_soft_cap)

@@ -72,7 +72,9 @@ def sweep_space(num_queries_per_kv: int) -> list[UnifiedAttentionConfig]:
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       output: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, scale: float,
-                      config: UnifiedAttentionConfig | None = None) -> None:
+                      config: UnifiedAttentionConfig | None = None,
+                      sliding_window: int | None = None,
+                      logits_soft_cap: float | None = None) -> None:
     """Causal attention of every query row against its sequence's paged keys.
 
     query/output: [T, num_heads, head_size] (T may include padding rows past the last
@@ -81,7 +83,11 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     this step's keys. block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] (context
     + new tokens); query_start_loc: [num_seqs + 1] int32, non-decreasing (empty sequences are
     allowed: graph padding). Query row j of sequence s sits at position
-    seq_lens[s] - q_len[s] + j and sees keys 0..that position.
+    seq_lens[s] - q_len[s] + j and sees keys 0..that position (with `sliding_window`, only
+    the last `sliding_window` of them: the tiles before are not read at all). With
+    `logits_soft_cap`, scores become cap * tanh(scores / cap) before the softmax. Both
+    are compile-time constants: one kernel variant per layer type, fixed before any
+    graph is captured.
     """
     num_tokens, num_heads, head_size = query.shape
     for name, tensor in (("query", query), ("output", output), ("key_cache", key_cache),
@@ -104,7 +110,8 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     upcast = query.dtype == torch.bfloat16 and interpreter_requested()
     _unified_attention_kernel[grid](
         query, key_cache, value_cache, output, block_table, seq_lens, query_start_loc,
-        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        # log2(e): the kernel uses exp2 (after the cap, when there is one).
+        scale if logits_soft_cap else scale * 1.4426950408889634,
         num_seqs,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -113,6 +120,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         NUM_QUERIES_PER_KV=qpk, HEAD_SIZE=head_size, HEAD_PAD=_next_pow2(max(head_size, 16)),
         PAGE_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
         IEEE_DOT=query.dtype == torch.float32 or upcast, UPCAST=upcast,
+        SLIDING_WINDOW=sliding_window or 0, SOFTCAP=float(logits_soft_cap or 0.0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -131,7 +139,8 @@ def _unified_attention_kernel(
         bt_stride,
         NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST: tl.constexpr):
+        TILE_N: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+        SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -172,9 +181,15 @@ def _unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    for tile in range(0, tl.cdiv(num_keys, TILE_N)):
+    # The first key this program's first query row sees. Keys before it are not loaded
+    # (their table entries may name blocks already freed and reused), whole tiles of
+    # them not even visited.
+    first_key = 0
+    if SLIDING_WINDOW > 0:
+        first_key = tl.maximum(context_len + q_block * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+    for tile in range(first_key // TILE_N, tl.cdiv(num_keys, TILE_N)):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-        key_ok = offs_n < num_keys
+        key_ok = (offs_n < num_keys) & (offs_n >= first_key)
         block = tl.load(block_table_ptr + seq * bt_stride + offs_n // PAGE_SIZE,
                         mask=key_ok, other=0).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
@@ -191,8 +206,13 @@ def _unified_attention_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * qk_scale  # [BLOCK_M, TILE_N], log2 units
+        s = s * qk_scale  # [BLOCK_M, TILE_N], log2 units (scaled, uncapped, with a cap)
+        if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), saturating cleanly at +-1
+            t = 1.0 - 2.0 / (tl.exp(2.0 * (s / SOFTCAP)) + 1.0)
+            s = (SOFTCAP * 1.4426950408889634) * t
         visible = (offs_n[None, :] <= query_abs[:, None]) & key_ok[None, :] & row_ok[:, None]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (offs_n[None, :] > query_abs[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.

@@ -17,10 +17,17 @@
 // query_start_loc int32; decode_reqs/prefill_reqs int64. Decode rows run in fp32 in the
 // kernel below; prefill rows gather their blocks and call SDPA with a bottom-right
 // causal mask, exactly as the torch backend does.
+//
+// Per layer the batch also carries its KV-cache group (each group has its own block
+// table and slot mapping: the hybrid cache of sliding-window models), its sliding window
+// (0: none; the query at p sees keys p - window + 1 .. p, and only blocks the window
+// reaches are read, since out-of-window table entries may already belong to another
+// request) and its softcap (0: none; scores -> cap * tanh(scores / cap), Gemma 2).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -62,9 +69,11 @@ inline V16 exp_nonpositive(V16 x) {
 // of V).
 template <typename T>
 void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blocks,
-                int64_t len, int64_t block_size, int64_t kv_heads, int64_t head,
-                int64_t group, int64_t D, int64_t q_head_stride, float scale,
-                std::vector<float>& scores, std::vector<const T*>& rows) {
+                int64_t first, int64_t total, int64_t block_size, int64_t kv_heads,
+                int64_t head, int64_t group, int64_t D, int64_t q_head_stride, float scale,
+                float softcap, std::vector<float>& scores, std::vector<const T*>& rows) {
+  // Keys first .. total - 1 (the window's, or all).
+  const int64_t len = total - first;
   const int64_t chunks = D / 16, padded = (len + 15) / 16 * 16;
   V16 qv[kMaxGroup][kMaxChunks];
   for (int64_t g = 0; g < group; ++g)
@@ -75,9 +84,9 @@ void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blo
   // Row addresses once, block by block (no per-key division); V rows sit at the same
   // offsets in the value cache.
   rows.resize(len);
-  for (int64_t j = 0, b = 0; j < len; ++b) {
+  for (int64_t j = 0, b = first / block_size, o0 = first % block_size; j < len; ++b, o0 = 0) {
     const T* base = kc + (static_cast<int64_t>(blocks[b]) * block_size * kv_heads + head) * D;
-    for (int64_t o = 0; o < block_size && j < len; ++o, ++j) rows[j] = base + o * kv_heads * D;
+    for (int64_t o = o0; o < block_size && j < len; ++o, ++j) rows[j] = base + o * kv_heads * D;
   }
   const std::ptrdiff_t to_value = vc - kc;
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
@@ -94,6 +103,13 @@ void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blo
       }
       isa::storeu(scores.data() + g * padded + j0, isa::reduce16(acc));
     }
+  }
+  if (softcap > 0.f) {  // the scale is already in q
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < len; ++j) {
+        float& x = scores[g * padded + j];
+        x = softcap * std::tanh(x / softcap);
+      }
   }
   const isa::Mask16 all = isa::first_lanes(16);
   const isa::Mask16 tail = isa::first_lanes(len % 16 ? len % 16 : 16);
@@ -133,7 +149,7 @@ template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_table,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                 const at::Tensor& reqs, double scale) {
+                 const at::Tensor& reqs, double scale, int64_t window, double softcap) {
   const int64_t R = reqs.size(0), heads = q.size(1), D = q.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads;
@@ -152,9 +168,11 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = req[item / kv_heads], head = item % kv_heads;
       const int64_t tok = qsl[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
       attend_one<T>(qp + tok * q.stride(0), op + tok * out.stride(0), kc, vc,
-                    table + r * table_stride, lens[r], block_size, kv_heads, head, group,
-                    D, q.stride(1), static_cast<float>(scale), scores, rows);
+                    table + r * table_stride, first, lens[r], block_size, kv_heads, head,
+                    group, D, q.stride(1), static_cast<float>(scale),
+                    static_cast<float>(softcap), scores, rows);
     }
   });
 }
@@ -164,7 +182,11 @@ struct Batch {
   bool active = false;
   std::vector<at::Tensor> kv_caches;  // per layer [2, blocks, block_size, kv_heads, D]
   std::vector<double> scales;          // per layer softmax scale
-  at::Tensor slot_mapping, block_table, seq_lens, query_start_loc, decode_reqs, prefill_reqs;
+  std::vector<int64_t> windows;        // per layer sliding window, 0 = none
+  std::vector<double> softcaps;        // per layer logit softcap, 0 = none
+  std::vector<int64_t> groups;         // per layer KV-cache group
+  std::vector<at::Tensor> slot_mappings, block_tables;  // per group
+  at::Tensor seq_lens, query_start_loc, decode_reqs, prefill_reqs;
   int64_t num_tokens = 0;
 };
 
@@ -191,45 +213,81 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 // mask additive (0 / -inf) and K/V expanded to the query heads: otherwise (3-D inputs, a
 // boolean mask or GQA) CPU SDPA takes its unfused math path instead of its flash kernel,
 // measured about 7x slower on a 128-token prefill.
+//
+// With a window, only the blocks from the one holding the first query's first visible key
+// are gathered, and the mask also hides keys more than window - 1 before each query. With
+// a softcap the scores are computed explicitly (SDPA has none), as transformers' eager
+// attention does: scale, cap, mask, float32 softmax, then V.
 void prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
-             const at::Tensor& value_cache, int64_t r, double scale) {
+             const at::Tensor& value_cache, const at::Tensor& block_table, int64_t r,
+             double scale, int64_t window, double softcap) {
   const auto* qsl = batch.query_start_loc.data_ptr<int32_t>();
   const int64_t start = qsl[r], q_len = qsl[r + 1] - qsl[r];
   const int64_t len = batch.seq_lens.data_ptr<int32_t>()[r];
   const int64_t block_size = key_cache.size(1), group = q.size(1) / key_cache.size(2);
-  const auto blocks = batch.block_table[r].narrow(0, 0, (len + block_size - 1) / block_size)
+  const int64_t first_block =
+      window > 0 ? std::max<int64_t>(0, len - q_len - window + 1) / block_size : 0;
+  const int64_t offset = first_block * block_size, n = len - offset;
+  const auto blocks = block_table[r]
+                          .narrow(0, first_block,
+                                  (len + block_size - 1) / block_size - first_block)
                           .to(at::kLong);
   auto gather = [&](const at::Tensor& cache) {
-    auto rows = cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len).transpose(0, 1);
+    auto rows = cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, n).transpose(0, 1);
     return (group > 1 ? rows.repeat_interleave(group, 0) : rows).unsqueeze(0);
-  };  // [1, heads, len, D]
+  };  // [1, heads, n, D]
   const auto qr = q.narrow(0, start, q_len).transpose(0, 1).unsqueeze(0);
   const auto opts = at::TensorOptions().dtype(at::kLong);
   const auto qpos = at::arange(q_len, opts).unsqueeze(1) + (len - q_len);
-  const auto hidden = at::arange(len, opts).unsqueeze(0) > qpos;
-  const auto mask = at::zeros({q_len, len}, q.options()).masked_fill(hidden, -INFINITY);
-  const auto res = at::scaled_dot_product_attention(qr, gather(key_cache),
-                                                    gather(value_cache), mask, 0.0, false,
-                                                    scale, false);
+  const auto kpos = at::arange(n, opts).unsqueeze(0) + offset;
+  auto hidden = kpos > qpos;
+  if (window > 0) hidden = hidden.logical_or(kpos <= qpos - window);
+  at::Tensor res;
+  if (softcap > 0) {
+    const auto keys = gather(key_cache), values = gather(value_cache);
+    auto scores = at::matmul(qr, keys.transpose(-1, -2)).mul(scale);
+    scores = at::tanh(scores.div(softcap)).mul(softcap).masked_fill(hidden, -INFINITY);
+    res = at::matmul(at::softmax(scores, -1, at::kFloat).to(values.scalar_type()), values);
+  } else {
+    const auto mask = at::zeros({q_len, n}, q.options()).masked_fill(hidden, -INFINITY);
+    res = at::scaled_dot_product_attention(qr, gather(key_cache), gather(value_cache), mask,
+                                           0.0, false, scale, false);
+  }
   out.narrow(0, start, q_len).copy_(res[0].transpose(0, 1));
 }
 
 }  // namespace
 
 void set_batch(std::vector<at::Tensor> kv_caches, std::vector<double> scales,
-               at::Tensor slot_mapping,
-               at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc,
-               at::Tensor decode_reqs, at::Tensor prefill_reqs, int64_t num_tokens) {
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+               std::vector<int64_t> windows, std::vector<double> softcaps,
+               std::vector<int64_t> groups, std::vector<at::Tensor> slot_mappings,
+               std::vector<at::Tensor> block_tables, at::Tensor seq_lens,
+               at::Tensor query_start_loc, at::Tensor decode_reqs, at::Tensor prefill_reqs,
+               int64_t num_tokens) {
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt &&
-                  slot_mapping.scalar_type() == at::kLong &&
                   decode_reqs.scalar_type() == at::kLong &&
                   prefill_reqs.scalar_type() == at::kLong,
-              "set_batch: int32 lengths/tables and int64 slots/request rows expected");
-  TORCH_CHECK(scales.size() == kv_caches.size(), "set_batch: one scale per layer");
-  batch = Batch{true, std::move(kv_caches), std::move(scales), slot_mapping,
-                block_table.contiguous(),
-                seq_lens, query_start_loc, decode_reqs, prefill_reqs, num_tokens};
+              "set_batch: int32 lengths and int64 request rows expected");
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(scales.size() == layers && windows.size() == layers &&
+                  softcaps.size() == layers && groups.size() == layers,
+              "set_batch: one scale, window, softcap and group per layer");
+  TORCH_CHECK(slot_mappings.size() == block_tables.size() && !block_tables.empty(),
+              "set_batch: one slot mapping and block table per group");
+  for (auto g : groups)
+    TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(block_tables.size()),
+                "set_batch: layer group ", g, " has no block table");
+  for (size_t g = 0; g < block_tables.size(); ++g) {
+    TORCH_CHECK(block_tables[g].scalar_type() == at::kInt &&
+                    slot_mappings[g].scalar_type() == at::kLong,
+                "set_batch: int32 tables and int64 slots expected");
+    block_tables[g] = block_tables[g].contiguous();
+  }
+  batch = Batch{true, std::move(kv_caches), std::move(scales), std::move(windows),
+                std::move(softcaps), std::move(groups), std::move(slot_mappings),
+                std::move(block_tables), seq_lens, query_start_loc, decode_reqs,
+                prefill_reqs, num_tokens};
 }
 
 void clear_batch() { batch = Batch{}; }
@@ -239,7 +297,9 @@ void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   if (!batch.active) return;
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(batch.kv_caches.size()),
               "unified_attention: no KV cache for layer ", layer);
-  const double scale = batch.scales[layer];
+  const double scale = batch.scales[layer], softcap = batch.softcaps[layer];
+  const int64_t window = batch.windows[layer];
+  const auto& block_table = batch.block_tables[batch.groups[layer]];
   const int64_t D = q.size(2), group = q.size(1) / k.size(1);
   TORCH_CHECK(D % 16 == 0 && D / 16 <= kMaxChunks && group <= kMaxGroup,
               "unified_attention: head_size must be a multiple of 16 up to ", 16 * kMaxChunks,
@@ -249,28 +309,28 @@ void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   auto value_cache = batch.kv_caches[layer][1];
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "unified_attention: contiguous KV cache expected");
-  write_kv(k.contiguous(), v.contiguous(), key_cache, value_cache, batch.slot_mapping,
-           batch.num_tokens);
+  write_kv(k.contiguous(), v.contiguous(), key_cache, value_cache,
+           batch.slot_mappings[batch.groups[layer]], batch.num_tokens);
   if (batch.decode_reqs.numel() > 0) {
     if (q.scalar_type() == at::kFloat) {
-      decode_impl<float>(out, q, key_cache, value_cache, batch.block_table, batch.seq_lens,
-                         batch.query_start_loc, batch.decode_reqs, scale);
+      decode_impl<float>(out, q, key_cache, value_cache, block_table, batch.seq_lens,
+                         batch.query_start_loc, batch.decode_reqs, scale, window, softcap);
     } else {
       TORCH_CHECK(q.scalar_type() == at::kBFloat16, "unified_attention: float32 or bfloat16");
-      decode_impl<c10::BFloat16>(out, q, key_cache, value_cache, batch.block_table,
+      decode_impl<c10::BFloat16>(out, q, key_cache, value_cache, block_table,
                                  batch.seq_lens, batch.query_start_loc, batch.decode_reqs,
-                                 scale);
+                                 scale, window, softcap);
     }
   }
   const auto* rows = batch.prefill_reqs.data_ptr<int64_t>();
   for (int64_t i = 0; i < batch.prefill_reqs.numel(); ++i)
-    prefill(q, out, key_cache, value_cache, rows[i], scale);
+    prefill(q, out, key_cache, value_cache, block_table, rows[i], scale, window, softcap);
 }
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   // Catch-all kernels: these two only install host state.
-  m.def("set_batch(Tensor[] kv_caches, float[] scales, Tensor slot_mapping, "
-        "Tensor block_table, "
+  m.def("set_batch(Tensor[] kv_caches, float[] scales, int[] windows, float[] softcaps, "
+        "int[] groups, Tensor[] slot_mappings, Tensor[] block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor decode_reqs, Tensor prefill_reqs, "
         "int num_tokens) -> ()", &set_batch);
   m.def("clear_batch() -> ()", &clear_batch);
