@@ -2,7 +2,8 @@
 
 The compiled graph stays whole around it (its fake returns the output's shape); inside,
 tokens are grouped by expert, so each expert's gate|up and down GEMMs run once over all
-the tokens routed to it. Routing follows transformers: softmax in float32, top-k, the
+the tokens routed to it: on CUDA in one Triton kernel per GEMM (kiln.moe.triton_moe), on
+a CPU as a loop over experts. Routing follows transformers: softmax in float32, top-k, the
 weights renormalized where the family does, cast to the activations' dtype; each expert's
 output is scaled by its weight and summed per token.
 """
@@ -18,7 +19,19 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
     """x [T, H], router_logits [T, E], w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]
     -> [T, H]."""
     weights, experts = route(router_logits, top_k, renormalize)
+    if x.is_cuda and triton_moe_ready():
+        from kiln.moe.triton_moe import fused_experts_triton
+
+        return fused_experts_triton(x, weights.to(x.dtype), experts, w13, w2)
     return grouped_experts(x, weights.to(x.dtype), experts, w13, w2)
+
+
+def triton_moe_ready() -> bool:
+    """The Triton expert kernel (kiln.moe.triton_moe) serves CUDA tensors where Triton is
+    installed; the grouped PyTorch loop serves the rest."""
+    from kiln.attention.kernels.triton_runtime import triton_installed
+
+    return triton_installed()
 
 
 @fused_moe.register_fake
