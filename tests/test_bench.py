@@ -93,7 +93,8 @@ def test_kernels_pick_fastest_and_write_tuning_table(tiny, tmp_path, monkeypatch
               "--warmup", "1", "--tuning-file", str(table))
     from kiln.ops import cpu_kernels
 
-    ops = {"linear", "attention", "rms_norm", "rope", "silu_and_mul", "top_k_top_p"}
+    ops = {"linear", "fused_moe", "attention", "rms_norm", "rope", "silu_and_mul",
+           "top_k_top_p"}
     if cpu_kernels.loaded():  # the quantized kernel's direct vs panel paths
         ops.add("linear_quant")
     assert set(r["best"]) == ops and r["tuning_file"] == str(table)

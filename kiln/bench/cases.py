@@ -59,6 +59,7 @@ class Shapes:
     context_len: int  # tokens already in the KV cache of each decoding request
     dtype: torch.dtype
     device: torch.device
+    moe: tuple[int, int, int] | None = None  # (experts, top_k, intermediate per expert)
 
     @property
     def token_counts(self) -> list[int]:

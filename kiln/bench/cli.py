@@ -61,8 +61,8 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
     ker = modes.add_parser("kernels", help="time candidate kernels per shape and write the "
                                            "tuning table")
     ker.add_argument("--ops", nargs="+", default=None,
-                     help="linear linear_quant attention rms_norm rope silu_and_mul "
-                          "top_k_top_p (default: all)")
+                     help="linear linear_quant fused_moe attention rms_norm rope "
+                          "silu_and_mul top_k_top_p (default: all)")
     ker.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],
                      help="decode batch sizes")
     ker.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512])

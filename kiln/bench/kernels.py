@@ -3,8 +3,10 @@
 For every op and shape (see cases.py and kernel_attention.py) each candidate is checked
 against the reference (the first candidate) and then timed; a candidate that fails or
 disagrees is reported and never chosen. The winners go into the tuning table
-(tuning.py), keyed by device name and shape, which the engine reads at start-up (today:
-attention backend selection when no backend is named).
+(tuning.py), keyed by device name and shape, which the engine reads at start-up: the
+attention backend when none is named, each bf16 linear's kernel (kiln/ops/linear_plan.py),
+each quantized linear's panel row count and each MoE block's expert kernel
+(kiln/moe/cpu_plan.py).
 
 JSON (`--json`), units in the field names:
     mode "kernels", environment, config {model, dtype, ops, decode_batches, prefill_lens,
@@ -26,6 +28,7 @@ from kiln.bench import plots
 from kiln.bench.cases import (Case, Shapes, rms_norm_cases, rope_cases, sampler_cases,
                               silu_and_mul_cases)
 from kiln.bench.cases_linear import linear_cases
+from kiln.bench.cases_moe import fused_moe_cases
 from kiln.bench.cases_quant import linear_quant_cases
 from kiln.bench.kernel_attention import attention_cases
 from kiln.bench.report import environment, table
@@ -33,8 +36,8 @@ from kiln.bench.stats import percentile
 from kiln.bench.tuning import merge_into, parse_key
 
 OPS: dict[str, Callable[[Shapes, bool], list[Case]]] = {
-    "linear": linear_cases, "linear_quant": linear_quant_cases, "attention": attention_cases, "rms_norm": rms_norm_cases,
-    "rope": rope_cases,
+    "linear": linear_cases, "linear_quant": linear_quant_cases, "fused_moe": fused_moe_cases,
+    "attention": attention_cases, "rms_norm": rms_norm_cases, "rope": rope_cases,
     "silu_and_mul": silu_and_mul_cases, "top_k_top_p": sampler_cases}
 
 _MIN_SAMPLE_S = 2e-4  # batch tiny ops so one timed sample is well above timer resolution

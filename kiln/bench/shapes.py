@@ -32,7 +32,9 @@ def model_shapes(model: str | None, dtype: str, device: str, decode_batches: lis
                   max_positions=mc.max_position_embeddings,
                   decode_batches=tuple(decode_batches), prefill_lens=tuple(prefill_lens),
                   context_len=context_len, dtype=resolve_dtype(config, mc),
-                  device=torch.device(device))
+                  device=torch.device(device),
+                  moe=None if mc.moe is None else (mc.moe.num_experts, mc.moe.top_k,
+                                                   mc.moe.intermediate_size))
 
 
 def run_kernels_for_model(args: argparse.Namespace) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.moe.config import MoEConfig
@@ -39,6 +38,12 @@ class FusedExperts(nn.Module):
         self.inter = inter
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        # Set by kiln.moe.cpu_plan.pack_experts on bf16 CPU weights: each expert's
+        # weights in kiln's packed tile layout, and the token count from which the plain
+        # weights (then kept) run instead.
+        self.register_buffer("w13_packed", None, persistent=False)
+        self.register_buffer("w2_packed", None, persistent=False)
+        self.dense_from = 0
 
     def weight_loader(self, param: nn.Parameter, weight, shard: str | None) -> None:
         expert, role = shard.split(":")
@@ -62,8 +67,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_mlp else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = fused_moe(x, self.gate(x), self.experts.w13, self.experts.w2, self.top_k,
-                        self.renormalize)
+        ex = self.experts
+        out = fused_moe(x, self.gate(x), ex.w13, ex.w2, self.top_k, self.renormalize,
+                        ex.w13_packed, ex.w2_packed, ex.dense_from)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

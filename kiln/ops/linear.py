@@ -98,7 +98,8 @@ def pack_linears(model: nn.Module,
 def plan_signature(model: nn.Module) -> str | None:
     """What the packing and quantization decided, per layer, for the compile-cache key:
     the compiled graph calls the packed kernel (and passes `dense_from`) only where a
-    layer is packed, and the quantized kernel with its format and panel row count."""
+    layer (or a block's experts) is packed, and the quantized kernel with its format and
+    panel row count."""
     from kiln.models.layers import Linear
 
     layers = [(name, m.dense_from) for name, m in model.named_modules()
@@ -106,6 +107,9 @@ def plan_signature(model: nn.Module) -> str | None:
     # Quantized layers: their format and panel row count are constants in the graph.
     layers += [(name, m.qfmt, m.panel_from) for name, m in model.named_modules()
                if isinstance(m, Linear) and m.quant_method.quantized]
+    from kiln.moe.cpu_plan import moe_plan_signature  # late: kiln.moe imports this module
+
+    layers += moe_plan_signature(model)
     return hashlib.sha256(repr(layers).encode()).hexdigest()[:16] if layers else None
 
 

@@ -28,6 +28,7 @@ from kiln.graphs import CUDAGraphMode
 from kiln.lora import LoRAConfig, LoRARequest
 from kiln.lora.manager import LoRAManager
 from kiln.models import ModelConfig, build_model
+from kiln.moe.cpu_plan import load_moe_plans, pack_experts
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import pack_linears
 from kiln.ops.linear_plan import load_plans
@@ -102,11 +103,7 @@ class ModelRunner:
             logger.warning("quantization %s covers the attention and dense linears; the "
                            "experts' weights stay %s", self.quantization.method, dtype)
         if dtype == torch.bfloat16 and device.type == "cpu":
-            plans = load_plans(dtype, device)
-            logger.info("packed %d bf16 linear weights for kiln's CPU kernels (%s)",
-                        pack_linears(self.model, plans),
-                        "; ".join(f"{n}x{k}: {p.describe()}" for (n, k), p in plans.items())
-                        or "no tuning table entries: packed at every row count")
+            pack_cpu_weights(self.model, model_config, dtype, device)
         layers = self.model.attention_layers()
         backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device,
                                      [layer.spec for layer in layers])
@@ -377,3 +374,18 @@ class ModelRunner:
             out.append(self.attn_backend_cls.build_metadata(common))
         return out
 
+
+def pack_cpu_weights(model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    """Lay bf16 weights out for kiln's CPU kernels as the tuning table's plans say (before
+    tracing: the graph calls the packed kernels only where a layer is packed)."""
+    plans = load_plans(dtype, device)
+    logger.info("packed %d bf16 linear weights for kiln's CPU kernels (%s)",
+                pack_linears(model, plans),
+                "; ".join(f"{n}x{k}: {p.describe()}" for (n, k), p in plans.items())
+                or "no tuning table entries: packed at every row count")
+    if model_config.moe is not None:
+        moe_plans = load_moe_plans(dtype, device)
+        logger.info("experts for kiln's CPU kernels: %s%s",
+                    "; ".join(pack_experts(model, moe_plans)) or "none packed",
+                    "" if moe_plans else " (no tuning table entries: the default)")
