@@ -1,4 +1,4 @@
-"""Mixtures of experts: Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE,
+"""Mixtures of experts: Mixtral, Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE and OLMoE,
 tiny random models built here, token-exact with transformers in float32 at -O0 and -O2
 (with chunked prefill, prefix-cache hits and preemption in play), and the fused op
 against a per-token reference."""
@@ -18,6 +18,9 @@ CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(**MOE, num_local_experts=4,
                                                   num_experts_per_tok=2,
                                                   sliding_window=None),
+    # OLMoE: Q/K norms over the whole projection, Q/K/V clamped.
+    "olmoe": lambda: transformers.OlmoeConfig(**MOE, num_experts=4, num_experts_per_tok=2,
+                                              clip_qkv=3.0),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
         **MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False),

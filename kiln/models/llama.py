@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3, and their mixture-of-experts
-relatives Mixtral, Qwen2-MoE and Qwen3-MoE) in plain PyTorch.
+relatives Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE) in plain PyTorch.
 
 `forward(input_ids[T], positions[T]) -> hidden[T, H]`: one flat token dimension, no batch
 dimension, no masks; attention goes through the opaque op. Q/K/V and gate/up are fused
@@ -37,8 +37,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = qkv_parallel_linear(cfg.hidden_size, cfg.num_heads,
                                             cfg.num_kv_heads, hd, cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, cfg.o_bias)
-        self.q_norm = norm_cls(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = norm_cls(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Per-head norms (Qwen3, Gemma 3) see [T, heads, hd]; OLMoE's see the whole
+        # projection [T, heads * hd] (MoE models run on one rank: nothing is sharded).
+        self.norm_per_head, self.clip_qkv = cfg.qk_norm_per_head, cfg.clip_qkv
+        q_dim, k_dim = (hd, hd) if cfg.qk_norm_per_head else (nh * hd, nkv * hd)
+        self.q_norm = norm_cls(q_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm_cls(k_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(hd, cfg.max_position_embeddings,
                                       *cfg.layer_rope(layer_index))
         scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
@@ -48,9 +52,13 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and not self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(T, -1, self.head_dim)  # [T, heads, hd]
         k = k.reshape(T, -1, self.head_dim)  # [T, kv_heads, hd]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size),

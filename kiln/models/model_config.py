@@ -50,6 +50,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     hidden_act: str = "silu"
     rope_by_layer_type: dict[str, tuple[float, dict | None]] | None = None
+    # OLMoE: Q/K norms over the whole projection (not per head), and a clamp of Q, K, V.
+    qk_norm_per_head: bool = True
+    clip_qkv: float | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full attention)."""
@@ -97,7 +100,8 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
-            qk_norm=is_qwen3 or arch == "Gemma3ForCausalLM", bos_token_id=getattr(hf, "bos_token_id", None),
+            qk_norm=is_qwen3 or arch in ("Gemma3ForCausalLM", "OlmoeForCausalLM"),
+            bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=_eos_ids(hf), checkpoint_dtype=_dtype(hf),
             sliding_window=_sliding_window(hf), moe=moe_config(arch, hf),
             layer_types=tuple(getattr(hf, "layer_types", None) or ()),
@@ -105,6 +109,8 @@ class ModelConfig:
             final_logit_softcap=_optional_float(hf, "final_logit_softcapping"),
             query_pre_attn_scalar=_optional_float(hf, "query_pre_attn_scalar"),
             hidden_act=_hidden_act(hf), rope_by_layer_type=by_type,
+            qk_norm_per_head=arch != "OlmoeForCausalLM",
+            clip_qkv=_optional_float(hf, "clip_qkv"),
         )
 
 

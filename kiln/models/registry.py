@@ -13,6 +13,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     # Mixtures of experts: the same decoder with kiln.moe's sparse block as the MLP.
     "MixtralForCausalLM": LlamaForCausalLM,
+    "OlmoeForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     # Sliding-window / full-attention hybrids with Gemma's norms, softcaps and scales.

@@ -4,14 +4,15 @@ Mixtral: `num_local_experts`, `intermediate_size` per expert, top-k weights reno
 Qwen2-MoE: `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, a shared expert of
 `shared_expert_intermediate_size` behind a sigmoid gate, and dense layers where
 `mlp_only_layers` or `decoder_sparse_step` say so. Qwen3-MoE: as Qwen2-MoE without the
-shared expert.
+shared expert. OLMoE: `num_experts`, `intermediate_size` per expert, `norm_topk_prob`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
+                     "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,9 @@ def moe_config(arch: str, hf: Any) -> MoEConfig | None:
     if arch == "MixtralForCausalLM":
         return MoEConfig(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size,
                          renormalize=True)
+    if arch == "OlmoeForCausalLM":
+        return MoEConfig(hf.num_experts, hf.num_experts_per_tok, hf.intermediate_size,
+                         renormalize=bool(getattr(hf, "norm_topk_prob", False)))
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
         return MoEConfig(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
