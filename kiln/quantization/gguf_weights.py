@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.models.gguf_convert import hf_name, unpermute_rope_rows
+from kiln.models.gguf_arch import EXPERT_STACKS, GGUFArch, architecture, hf_name, unpermute_rope_rows
 from kiln.quantization.packing import QuantWeight, pack_q4, pack_q8, packable_shape
 
 logger = logging.getLogger(__name__)
@@ -47,19 +47,25 @@ def decode(tensor: object) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     return codes, d, m
 
 
-def _rope_heads(kind: str, model: nn.Module) -> int | None:
+def _rope_heads(kind: str, model: nn.Module, arch: GGUFArch) -> int | None:
+    if not arch.permute_rope:
+        return None
     if kind == "attn_q":
         return model.config.num_heads
     return model.config.num_kv_heads if kind == "attn_k" else None
 
 
-def _layer_tensors(model: nn.Module, reader: object) -> dict[str, list[tuple[object, str]]]:
-    """{module name: [(GGUF tensor, kind) in the layer's row order]}."""
+def _layer_tensors(model: nn.Module, reader: object,
+                   arch: GGUFArch) -> dict[str, list[tuple[object, str]]]:
+    """{module name: [(GGUF tensor, kind) in the layer's row order]} for the 2-D weights
+    (expert stacks are not linears: they load from the float checkpoint)."""
     found: dict[str, dict[str | None, tuple[object, str]]] = {}
     for t in reader.tensors:  # type: ignore[attr-defined]
         if not t.name.endswith(".weight") or t.name == "rope_freqs.weight":
             continue
-        name, kind = hf_name(t.name)
+        name, kind = hf_name(t.name, arch)
+        if kind in EXPERT_STACKS:
+            continue
         names = [name]
         if name == "model.embed_tokens.weight" and model.config.tie_word_embeddings:
             names = ["lm_head.weight"]  # the tied lm_head reads the embedding's blocks
@@ -76,11 +82,11 @@ def _layer_tensors(model: nn.Module, reader: object) -> dict[str, list[tuple[obj
     return ordered
 
 
-def _pack(model: nn.Module, parts: list[tuple[object, str]]) -> QuantWeight:
+def _pack(model: nn.Module, parts: list[tuple[object, str]], arch: GGUFArch) -> QuantWeight:
     decoded = []
     for tensor, kind in parts:
         codes, d, m = decode(tensor)
-        heads = _rope_heads(kind, model)
+        heads = _rope_heads(kind, model, arch)
         if heads is not None:
             codes, d = unpermute_rope_rows(codes, heads), unpermute_rope_rows(d, heads)
             m = None if m is None else unpermute_rope_rows(m, heads)
@@ -98,9 +104,10 @@ def gguf_linears(model: nn.Module, path: Path) -> tuple[dict[str, QuantWeight], 
     from kiln.quantization.config import open_gguf
 
     reader = open_gguf(path)
+    arch = architecture(reader, path)
     native: dict[str, QuantWeight] = {}
     fallback: Counter[str] = Counter()
-    for module, parts in _layer_tensors(model, reader).items():
+    for module, parts in _layer_tensors(model, reader, arch).items():
         layer = model.get_submodule(module)
         if not isinstance(layer, Linear):
             continue
@@ -115,7 +122,7 @@ def gguf_linears(model: nn.Module, path: Path) -> tuple[dict[str, QuantWeight], 
             fallback[f"shape {tuple(layer.weight.shape)} (the kernel needs rows % 16 == 0 "
                      "and columns % 32 == 0)"] += 1
         else:
-            native[module] = _pack(model, parts)
+            native[module] = _pack(model, parts, arch)
     notes = [f"{n} quantized linear layer(s) run dequantized at load in the activation "
              f"dtype: {why}" for why, n in fallback.items()]
     return native, notes
