@@ -1,9 +1,10 @@
-"""GGUF files of the newer families: Gemma 2, Gemma 3 and Qwen2-MoE.
+"""GGUF files of the newer families: Gemma 2, Gemma 3, Qwen2-MoE, and Mixtral (a `llama`
+file with experts).
 
 Each file is written here from a tiny random transformers checkpoint the way llama.cpp's
 converter writes it: gguf's own tensor-name map (llama.cpp's names, independent of kiln's
-table), Gemma's norms stored as 1 + w, each projection's experts stacked into one 3-D
-tensor, the metadata keys llama.cpp reads. kiln must load each one token-exact with the
+table), Gemma's norms stored as 1 + w, llama's Q/K rows permuted, each projection's experts
+stacked into one 3-D tensor, the metadata keys llama.cpp reads. kiln must load each one token-exact with the
 model it came from, and run quantized attention natively where it is Q8_0.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from conftest import TINY, hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
+from test_gguf_convert import llama_cpp_permute
 
 CONFIGS = {
     "gemma2": lambda: transformers.Gemma2Config(
@@ -29,20 +31,23 @@ CONFIGS = {
     "gemma3": lambda: transformers.Gemma3TextConfig(
         **dict(TINY, num_hidden_layers=6), head_dim=32, sliding_window=24,
         query_pre_attn_scalar=32, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **dict(TINY, intermediate_size=96), num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
         **dict(TINY, intermediate_size=96), num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=64, shared_expert_intermediate_size=64, norm_topk_prob=False),
 }
 ARCH = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
-        "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}
+        "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = random_prompts(3, [5, 40, 17], seed=31)
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
+_EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)"
+                     r"\.weight")
 
 
 def _tensors(checkpoint: dict[str, torch.Tensor], kind: str,
-             layers: int) -> Iterator[tuple[str, np.ndarray]]:
-    names = gguf.get_tensor_name_map(ARCH[kind], layers)
+             cfg: transformers.PretrainedConfig) -> Iterator[tuple[str, np.ndarray]]:
+    names = gguf.get_tensor_name_map(ARCH[kind], cfg.num_hidden_layers)
     stacks: dict[str, list[np.ndarray]] = {}
     for name, tensor in checkpoint.items():
         array = tensor.float().numpy().copy()
@@ -54,6 +59,9 @@ def _tensors(checkpoint: dict[str, torch.Tensor], kind: str,
             continue
         if kind.startswith("gemma") and name.endswith("norm.weight"):
             array = array + 1  # llama.cpp stores Gemma's (1 + w) scale
+        if kind == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            array = llama_cpp_permute(array, heads)
         if name.endswith("shared_expert_gate.weight"):
             array = array.reshape(-1)  # llama.cpp writes the [1, H] gate as [H]
         base, suffix = name.rsplit(".", 1)
@@ -89,13 +97,16 @@ def write_gguf(src: Path, kind: str, path: Path, types: dict[str, str]) -> Path:
         w.add_sliding_window(cfg.sliding_window)
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if kind == "mixtral":
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     if kind == "qwen2_moe":
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     checkpoint = load_file(str(src / "model.safetensors"))
-    for name, array in _tensors(checkpoint, kind, cfg.num_hidden_layers):
+    for name, array in _tensors(checkpoint, kind, cfg):
         qtype = types.get(name.split(".")[-2])
         if qtype is None:
             w.add_tensor(name, array)

@@ -6,8 +6,9 @@ llama.cpp's converter changes some tensors on the way in, and reading them back 
 - `llama`: Q/K rows are permuted to its interleaved RoPE (un-permuted here).
 - `gemma2`, `gemma3`: every `*norm.weight` is stored as 1 + w (Gemma's norm scales by
   1 + w); 1 is subtracted here. RoPE is NEOX-style: no permutation.
-- `qwen2moe`: each projection's experts are stacked into one 3-D tensor
-  (`ffn_{gate,up,down}_exps`, [E, N, K]); they are split back per expert here.
+- `qwen2moe`, and Mixtral (a `llama` file with `expert_count`): each projection's experts
+  are stacked into one 3-D tensor (`ffn_{gate,up,down}_exps`, [E, N, K]); they are split
+  back per expert here.
 
 Not in the metadata, so taken as llama.cpp takes them: Gemma's query scale is
 head_dim ** -0.5 except the 27B models (46 layers for Gemma 2, 62 for Gemma 3), which use
@@ -32,15 +33,20 @@ _ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 _MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _GEMMA = {**_ATTENTION, **_MLP, "post_attention_norm": "post_attention_layernorm",
           "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-# The stacked expert tensors: kind -> the per-expert projection name.
-EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                 "ffn_down_exps": "down_proj"}
+# The stacked expert tensors, [E, N, K]: their Hugging Face names have "{}" for the
+# expert index (one tensor per expert).
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_MIXTRAL = {"ffn_gate_inp": "block_sparse_moe.gate",
+            "ffn_gate_exps": "block_sparse_moe.experts.{}.w1",
+            "ffn_up_exps": "block_sparse_moe.experts.{}.w3",
+            "ffn_down_exps": "block_sparse_moe.experts.{}.w2"}
 _QWEN2MOE = {**_ATTENTION, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
              "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
              "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
              "ffn_up_shexp": "mlp.shared_expert.up_proj",
              "ffn_down_shexp": "mlp.shared_expert.down_proj",
-             **{k: f"mlp.experts.{v}" for k, v in EXPERT_STACKS.items()}}
+             **{k: f"mlp.experts.{{}}.{v}" for k, v in zip(EXPERT_STACKS, ("gate_proj", "up_proj",
+                                                                         "down_proj"))}}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -114,8 +120,15 @@ class GGUFArch:
 
 
 def _llama_config(m: Meta) -> Any:
-    from transformers import LlamaConfig  # deferred: importing transformers costs seconds
+    """Llama, or Mixtral: llama.cpp writes Mixtral as `llama` with experts."""
+    from transformers import LlamaConfig, MixtralConfig  # deferred: transformers is slow
 
+    experts = int(m.get("expert_count", 0) or 0)
+    if experts:
+        return MixtralConfig(architectures=["MixtralForCausalLM"], **m.common(),
+                             rope_parameters=m.rope_parameters(), num_local_experts=experts,
+                             num_experts_per_tok=int(m.get("expert_used_count")),
+                             sliding_window=None)
     return LlamaConfig(architectures=["LlamaForCausalLM"], **m.common(),
                        rope_parameters=m.rope_parameters())
 
@@ -174,7 +187,8 @@ def _qwen2moe_config(m: Meta) -> Any:
 
 
 ARCHITECTURES: dict[str, GGUFArch] = {a.name: a for a in (
-    GGUFArch("llama", {**_ATTENTION, **_MLP, "ffn_norm": "post_attention_layernorm"},
+    GGUFArch("llama", {**_ATTENTION, **_MLP, **_MIXTRAL,
+                       "ffn_norm": "post_attention_layernorm"},
              _llama_config, permute_rope=True),
     GGUFArch("gemma2", _GEMMA, _gemma2_config, norm_shift=1.0),
     GGUFArch("gemma3", {**_GEMMA, "attn_q_norm": "self_attn.q_norm",
@@ -195,7 +209,7 @@ def architecture(reader: gguf.GGUFReader, path: object) -> GGUFArch:
 
 def hf_name(gguf_name: str, arch: GGUFArch = ARCHITECTURES["llama"]) -> tuple[str, str]:
     """Map a GGUF tensor name to (Hugging Face name, GGUF kind such as 'attn_q'). An
-    expert stack maps to `...mlp.experts.<proj>.weight` (no expert index: split later)."""
+    expert stack's name has "{}" where the expert index goes (it is split later)."""
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in arch.block_names:
         layer, kind, suffix = match.groups()

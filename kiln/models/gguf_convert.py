@@ -1,7 +1,7 @@
 """Convert a GGUF file (as llama.cpp writes them) into a Hugging Face model directory.
 
-The result is a plain fp32 checkpoint of the file's architecture (`llama`, `gemma2`, `gemma3`,
-`qwen2moe`: see gguf_arch.py for what differs) with config.json, model.safetensors,
+The result is a plain fp32 checkpoint of the file's architecture (`llama` (Llama or Mixtral),
+`gemma2`, `gemma3`, `qwen2moe`: see gguf_arch.py for what differs) with config.json, model.safetensors,
 generation_config.json and, when the GGUF carries one, the tokenizer with its chat template, so
 the rest of kiln only ever deals with Hugging Face directories.
 """
@@ -110,9 +110,8 @@ def iter_hf_tensors(
         elif kind == "ffn_gate_inp_shexp":
             weights = weights.reshape(1, -1)  # HF's [1, hidden] gate; files store [hidden]
         if kind in EXPERT_STACKS:  # [E, N, K] -> one [N, K] tensor per expert
-            stem = name.removesuffix(f"{EXPERT_STACKS[kind]}.weight")
             for e, w in enumerate(weights):
-                yield f"{stem}{e}.{EXPERT_STACKS[kind]}.weight", torch.from_numpy(np.ascontiguousarray(w))
+                yield name.format(e), torch.from_numpy(np.ascontiguousarray(w))
             continue
         yield name, torch.from_numpy(np.ascontiguousarray(weights))
 
