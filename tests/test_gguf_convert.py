@@ -112,9 +112,15 @@ def write_tiny_gguf(model: LlamaForCausalLM, path: Path, *, tokenizer: bool,
         writer.add_eos_token_id(2)
         writer.add_add_bos_token(False)
         writer.add_chat_template(CHATML)
-    for name, array in _gguf_tensors(model):
-        kind = name.split(".")[-2]
-        qtype = (types or {}).get(kind)
+    finish_gguf(writer, _gguf_tensors(model), types or {})
+    return path
+
+
+def finish_gguf(writer: gguf.GGUFWriter, tensors: Iterator[tuple[str, np.ndarray]],
+                types: dict[str, str]) -> None:
+    """Add `tensors` (quantized where `types` names their kind) and write the file."""
+    for name, array in tensors:
+        qtype = types.get(name.split(".")[-2])
         if qtype is None:
             writer.add_tensor(name, array)
         else:
@@ -124,7 +130,6 @@ def write_tiny_gguf(model: LlamaForCausalLM, path: Path, *, tokenizer: bool,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 @pytest.fixture(autouse=True)

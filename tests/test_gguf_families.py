@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from conftest import TINY, hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
-from test_gguf_convert import llama_cpp_permute
+from test_gguf_convert import finish_gguf, llama_cpp_permute
 
 CONFIGS = {
     "gemma2": lambda: transformers.Gemma2Config(
@@ -106,17 +106,7 @@ def write_gguf(src: Path, kind: str, path: Path, types: dict[str, str]) -> Path:
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     checkpoint = load_file(str(src / "model.safetensors"))
-    for name, array in _tensors(checkpoint, kind, cfg):
-        qtype = types.get(name.split(".")[-2])
-        if qtype is None:
-            w.add_tensor(name, array)
-        else:
-            t = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(name, gguf.quants.quantize(array, t), raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w, _tensors(checkpoint, kind, cfg), types)
     return path
 
 
@@ -178,11 +168,7 @@ def test_unsupported_gguf_architecture_lists_the_supported_ones(tmp_path, monkey
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "phi3")
     w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w, iter([("token_embd.weight", np.zeros((8, 4), dtype=np.float32))]), {})
     with pytest.raises(ValueError, match="'phi3' is not supported.*gemma2, gemma3, llama, "
                                          "qwen2moe"):
         LLM(str(tmp_path / "x.gguf"), dtype="float32", progress=False)
