@@ -78,6 +78,22 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt_ids: list[int], max_ne
     return out[0, len(prompt_ids):].tolist()
 
 
+def assert_exact_under_pressure(llm, prompts: list[list[int]], params, refs: list[list[int]],
+                                compiled: bool) -> None:
+    """Greedy outputs equal `refs` while prefix-cache hits and preemption happen (the
+    caller sizes the cache and shares a prefix); a compiled engine compiles nothing
+    while serving."""
+    from kiln.compiler import compilation_counter
+
+    before = compilation_counter.clone()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+    if compiled:
+        assert not any(compilation_counter.delta(before).values())
+
+
 def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist()

@@ -10,14 +10,13 @@ import transformers
 
 from attention_batches import (dense_reference, make_batch, poison_out_of_window,
                                random_shapes, run_backend, windowed)
-from conftest import TINY, hf_greedy, random_prompts
+from conftest import TINY, assert_exact_under_pressure, hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
 from kiln.attention import AttentionLayerSpec, selector
 from kiln.attention.backends import TorchPagedBackend, TritonPagedBackend
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.kernels import interpreter_reason
 from kiln.bench.hybrid_kv import measure_kv_blocks
-from kiln.compiler import compilation_counter
 from kiln.engine.request import Request
 from kiln.sampling import SamplingParams as Params
 from kiln.scheduler import (BlockHasher, FullAttentionSpec, KVCacheGroupSpec, KVCacheManager,
@@ -198,13 +197,7 @@ def test_sliding_window_families_match_transformers(family_models, kind, level, 
     llm = LLM(str(path), dtype="float32", progress=False, optimization_level=level,
               max_model_len=128, num_kv_blocks=BLOCKS[kind], long_prefill_token_threshold=32,
               attention_backend=backend)
-    before = compilation_counter.clone()
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    stats = llm.engine.get_stats()
-    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
-    if level == 2:
-        assert not any(compilation_counter.delta(before).values())
+    assert_exact_under_pressure(llm, PROMPTS, GREEDY, refs, compiled=level == 2)
 
 
 def test_full_graphs_replay_windows_and_softcaps(family_models):

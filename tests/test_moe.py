@@ -8,9 +8,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY, hf_greedy, random_prompts
+from conftest import TINY, assert_exact_under_pressure, hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
-from kiln.compiler import compilation_counter
 from kiln.moe.op import fused_moe
 
 MOE = dict(TINY, intermediate_size=96)
@@ -51,13 +50,7 @@ def test_moe_families_match_transformers(moe_model, level):
     # request-step chunk the prompts; SHARED gives prefix-cache hits.
     llm = LLM(str(path), dtype="float32", progress=False, optimization_level=level,
               max_model_len=128, num_kv_blocks=15, long_prefill_token_threshold=32)
-    before = compilation_counter.clone()
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    stats = llm.engine.get_stats()
-    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
-    if level == 2:
-        assert not any(compilation_counter.delta(before).values())
+    assert_exact_under_pressure(llm, PROMPTS, GREEDY, refs, compiled=level == 2)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
