@@ -20,7 +20,7 @@ import torch
 
 from kiln.bench.cases import Candidate, Case, Shapes, close
 from kiln.moe.cpu_plan import moe_key, pack_expert_weights
-from kiln.moe.op import fused_moe, grouped_experts, route
+from kiln.moe.op import fused_moe, grouped_experts, route, triton_moe_ready
 from kiln.ops import cpu_kernels
 
 DEFAULT_SHAPE = (8, 2, 512, 1024)  # kiln bench moe's Mixtral: experts, top_k, hidden, inter
@@ -52,7 +52,7 @@ def fused_moe_cases(s: Shapes, compiled: bool) -> list[Case]:
         if packed is not None:
             cands.append(Candidate("kiln-packed", lambda x=x, lg=logits: fused_moe(
                 x, lg, w13, w2, k, True, packed[0], packed[1], 0)))
-        if s.device.type == "cuda":
+        if s.device.type == "cuda" and triton_moe_ready():
             cands.append(Candidate("triton", lambda x=x, lg=logits: fused_moe(
                 x, lg, w13, w2, k, True)))
         tol = 1e-4 if s.dtype == torch.float32 else 2e-2
