@@ -89,14 +89,8 @@ def write_tiny_gguf(model: LlamaForCausalLM, path: Path, *, tokenizer: bool,
     name ("Q4_1"): that tensor is written quantized (gguf's own reference quantizer)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_dims(writer, cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     if cfg.rope_parameters["rope_type"] == "linear":
@@ -114,6 +108,17 @@ def write_tiny_gguf(model: LlamaForCausalLM, path: Path, *, tokenizer: bool,
         writer.add_chat_template(CHATML)
     finish_gguf(writer, _gguf_tensors(model), types or {})
     return path
+
+
+def add_dims(writer: gguf.GGUFWriter, cfg: object) -> None:
+    """The sizes every architecture's metadata carries, as llama.cpp writes them."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
 def finish_gguf(writer: gguf.GGUFWriter, tensors: Iterator[tuple[str, np.ndarray]],

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from conftest import TINY, hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
-from test_gguf_convert import finish_gguf, llama_cpp_permute
+from test_gguf_convert import add_dims, finish_gguf, llama_cpp_permute
 
 CONFIGS = {
     "gemma2": lambda: transformers.Gemma2Config(
@@ -74,16 +74,10 @@ def write_gguf(src: Path, kind: str, path: Path, types: dict[str, str]) -> Path:
     """`types`: GGUF tensor kind ("attn_q", ...) -> quantized type name for that kind."""
     cfg = transformers.AutoConfig.from_pretrained(src)
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[ARCH[kind]])
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_dims(w, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     if kind == "gemma3":
         w.add_rope_freq_base(rope["full_attention"]["rope_theta"])

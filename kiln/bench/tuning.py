@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -58,6 +58,34 @@ def load_tuning(path: str | os.PathLike | None = None) -> dict[str, Any]:
     except (OSError, ValueError, AttributeError) as exc:
         logger.warning("ignoring the tuning table %s (%s); rerun `kiln bench kernels`", p, exc)
         return {}
+
+
+def device_entries(op: str, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """This device's tuning entries for `op` ({shape key: entry}; {} without any)."""
+    ops = load_tuning().get("devices", {}).get(device_name(device), {})
+    entries = ops.get(op, {})
+    return entries if isinstance(entries, dict) else {}
+
+
+def times_by_shape(entries: Mapping[str, Any], dtype: torch.dtype,
+                   shape_of: Callable[[dict[str, str]], tuple], count: str
+                   ) -> dict[tuple, dict[int, dict[str, float]]]:
+    """{shape_of(dims): {int(dims[count]): {candidate: median us}}} over one op's entries
+    for `dtype`, for the plans the engine derives at start-up. Keys missing a dimension
+    are skipped; candidate labels lose their "[config]" suffix."""
+    name = str(dtype).removeprefix("torch.")
+    times: dict[tuple, dict[int, dict[str, float]]] = {}
+    for key, entry in entries.items():
+        dims = parse_key(key)
+        if dims.get("dtype") != name or not isinstance(entry, dict):
+            continue
+        try:
+            shape, n = shape_of(dims), int(dims[count])
+        except (KeyError, ValueError):
+            continue
+        times.setdefault(shape, {})[n] = {
+            label.split("[", 1)[0]: us for label, us in entry.get("us", {}).items()}
+    return times
 
 
 def lookup(op: str, shape: str, device: str | torch.device = "cpu",

@@ -67,7 +67,8 @@ def _convert_into(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
     except ValueError as error:  # e.g. "GGUF magic invalid"
         raise ValueError(f"{gguf_path}: not a readable GGUF file ({error})") from error
     arch = architecture(reader, gguf_path)
-    config = arch.config(Meta(reader, arch.name))
+    meta = Meta(reader, arch.name)
+    config = arch.config(meta)
     tensors = iter_hf_tensors(reader, config, arch, desc=f"Converting {gguf_path.name}", progress=progress)
     state = dict(tensors)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -76,15 +77,10 @@ def _convert_into(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
     # safetensors creates its file 0600; give it the umask-derived mode Python used for config.json.
     shutil.copymode(out_dir / "config.json", out_dir / "model.safetensors")
     _generation_config(config.bos_token_id, config.eos_token_id, config.pad_token_id).save_pretrained(out_dir)
-    if _field(reader, "tokenizer.ggml.model") is None:
+    if meta.field("tokenizer.ggml.model") is None:
         logger.warning("%s carries no tokenizer; writing weights and config only", gguf_path.name)
     else:
         _save_tokenizer(gguf_path, out_dir, config.max_position_embeddings)
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
 
 
 def iter_hf_tensors(

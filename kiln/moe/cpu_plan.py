@@ -32,29 +32,19 @@ def moe_key(tokens: int, shape: MoEShape, dtype: torch.dtype) -> str:
 def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
                      ) -> dict[MoEShape, LinearPlan]:
     """{shape: plan} from a device's "fused_moe" tuning entries for `dtype`."""
-    from kiln.bench.tuning import parse_key
+    from kiln.bench.tuning import times_by_shape
 
-    name = str(dtype).removeprefix("torch.")
-    times: dict[MoEShape, dict[int, dict[str, float]]] = {}
-    for key, entry in entries.items():
-        d = parse_key(key)
-        if d.get("dtype") != name or not isinstance(entry, dict):
-            continue
-        try:
-            shape = (int(d["experts"]), int(d["top_k"]), int(d["hidden"]), int(d["inter"]))
-            tokens = int(d["tokens"])
-        except (KeyError, ValueError):
-            continue
-        times.setdefault(shape, {})[tokens] = dict(entry.get("us", {}))
+    def shape_of(d: dict[str, str]) -> MoEShape:
+        return int(d["experts"]), int(d["top_k"]), int(d["hidden"]), int(d["inter"])
+
+    times = times_by_shape(entries, dtype, shape_of, "tokens")
     return {shape: plan_from_times(t) for shape, t in times.items()}
 
 
 def load_moe_plans(dtype: torch.dtype, device: torch.device) -> dict[MoEShape, LinearPlan]:
-    from kiln.bench.report import device_name
-    from kiln.bench.tuning import load_tuning
+    from kiln.bench.tuning import device_entries
 
-    ops = load_tuning().get("devices", {}).get(device_name(device), {})
-    return plans_from_table(ops.get("fused_moe", {}), dtype)
+    return plans_from_table(device_entries("fused_moe", device), dtype)
 
 
 def pack_expert_weights(w: torch.Tensor) -> torch.Tensor:

@@ -72,11 +72,11 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     k = experts.shape[1]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    num_experts = (packed[0] if packed is not None else w13).shape[0]
+    p13, p2 = packed if packed is not None else (None, None)
+    num_experts = (w13 if p13 is None else p13).shape[0]  # w13 may be released
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     tokens = order // k
     slot_weights = weights.reshape(-1)[order]
-    p13, p2 = packed if packed is not None else (None, None)
     out = torch.zeros_like(x)
     start = 0
     for e, n in enumerate(counts):

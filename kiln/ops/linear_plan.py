@@ -63,27 +63,14 @@ def plan_from_times(times: Mapping[int, Mapping[str, float]]) -> LinearPlan:
 def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
                      ) -> dict[tuple[int, int], LinearPlan]:
     """{(n, k): plan} from a device's "linear" tuning entries for `dtype`."""
-    from kiln.bench.tuning import parse_key
+    from kiln.bench.tuning import times_by_shape
 
-    name = str(dtype).removeprefix("torch.")
-    times: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
-    for key, entry in entries.items():
-        dims = parse_key(key)
-        if dims.get("dtype") != name or not isinstance(entry, dict):
-            continue
-        try:
-            shape, rows = (int(dims["n"]), int(dims["k"])), int(dims["rows"])
-        except (KeyError, ValueError):
-            continue
-        times.setdefault(shape, {})[rows] = {
-            label.split("[", 1)[0]: us for label, us in entry.get("us", {}).items()}
+    times = times_by_shape(entries, dtype, lambda d: (int(d["n"]), int(d["k"])), "rows")
     return {shape: plan_from_times(t) for shape, t in times.items()}
 
 
 def load_plans(dtype: torch.dtype, device: torch.device) -> dict[tuple[int, int], LinearPlan]:
     """The tuning table's plans for this host (empty: the defaults apply)."""
-    from kiln.bench.report import device_name
-    from kiln.bench.tuning import load_tuning
+    from kiln.bench.tuning import device_entries
 
-    ops = load_tuning().get("devices", {}).get(device_name(device), {})
-    return plans_from_table(ops.get("linear", {}), dtype)
+    return plans_from_table(device_entries("linear", device), dtype)

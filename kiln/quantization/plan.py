@@ -40,27 +40,14 @@ def panel_from_times(times: Mapping[int, Mapping[str, float]]) -> int:
 def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
                      ) -> dict[tuple[str, int, int], int]:
     """{(format, n, k): panel_from} from a device's "linear_quant" entries for `dtype`."""
-    from kiln.bench.tuning import parse_key
+    from kiln.bench.tuning import times_by_shape
 
-    name = str(dtype).removeprefix("torch.")
-    times: dict[tuple[str, int, int], dict[int, dict[str, float]]] = {}
-    for key, entry in entries.items():
-        dims = parse_key(key)
-        if dims.get("dtype") != name or not isinstance(entry, dict):
-            continue
-        try:
-            shape = (dims["fmt"], int(dims["n"]), int(dims["k"]))
-            rows = int(dims["rows"])
-        except (KeyError, ValueError):
-            continue
-        times.setdefault(shape, {})[rows] = {
-            label.split("[", 1)[0]: us for label, us in entry.get("us", {}).items()}
+    times = times_by_shape(entries, dtype, lambda d: (d["fmt"], int(d["n"]), int(d["k"])),
+                           "rows")
     return {shape: panel_from_times(t) for shape, t in times.items()}
 
 
 def load_panel_plans(dtype: torch.dtype) -> dict[tuple[str, int, int], int]:
-    from kiln.bench.report import device_name
-    from kiln.bench.tuning import load_tuning
+    from kiln.bench.tuning import device_entries
 
-    ops = load_tuning().get("devices", {}).get(device_name(torch.device("cpu")), {})
-    return plans_from_table(ops.get("linear_quant", {}), dtype)
+    return plans_from_table(device_entries("linear_quant", torch.device("cpu")), dtype)
