@@ -3,7 +3,7 @@ dequantization (the reference every kernel is tested against, and the fallback w
 kernel runs).
 
 A `QuantWeight` holds one linear's weight [N, K] in one of three formats (the layouts
-are spelled out in kiln/ops/csrc/linear_quant.cpp):
+are spelled out in kiln/ops/csrc/linear_quant.h):
 - INT8: int8 codes, one fp32 scale per output row (weight-only int8, made at load);
 - Q8:   int8 codes, an fp16 scale per row and 32-column group (GGUF Q8_0);
 - Q4:   4-bit codes, fp16 scale and offset per row and group (GGUF Q4_1; Q4_0 is Q4_1
@@ -86,7 +86,11 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> QuantWeight:
     """Codes 0..15 [N, K] (uint8), fp16 group scales and offsets [N, K/32]."""
     n, k = q.shape
     t = _tile(q.to(torch.uint8))  # [nb, kc, 32, 16]
-    codes = (t[:, :, :16] | (t[:, :, 16:] << 4)).reshape(n // 16, k // 32, 256).contiguous()
+    b = t[:, :, :16] | (t[:, :, 16:] << 4)  # [nb, kc, j, c]: codes j and j + 16
+    # Adjacent j of one column side by side ([nb, kc, j // 2, c, j % 2]): widened to 16-bit
+    # lanes, each 32-bit lane then holds one column's pair of k, as `vdpbf16ps` takes them.
+    codes = b.view(n // 16, k // 32, 8, 2, 16).transpose(3, 4).reshape(n // 16, k // 32, 256)
+    codes = codes.contiguous()
     return QuantWeight(Q4, codes, _group_tile(d.to(torch.float16)),
                        _group_tile(m.to(torch.float16)))
 
@@ -106,7 +110,7 @@ def unpack_codes(w: QuantWeight) -> torch.Tensor:
     """The integer codes [N, K] (int16, so every format fits)."""
     nb, kc = w.codes.shape[:2]
     if w.fmt == Q4:
-        b = w.codes.view(nb, kc, 16, 16)
+        b = w.codes.view(nb, kc, 8, 16, 2).transpose(3, 4).reshape(nb, kc, 16, 16)
         t = torch.cat((b & 15, b >> 4), dim=2)
         return _untile(t).to(torch.int16)
     return _untile(w.codes.view(nb, kc, 32, 16)).to(torch.int16)

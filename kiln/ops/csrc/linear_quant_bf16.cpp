@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 namespace kiln_quant {
@@ -40,10 +41,9 @@ void weights_to_bf16(const QArgs& a, int64_t nb, uint16_t* panel) {
     if constexpr (F == kQ4) {
       const uint8_t* c = static_cast<const uint8_t*>(a.codes) + (nb * chunks + kc) * 256;
       const V16 d = kiln_isa::load_f16(a.scale16 + off), mn = kiln_isa::load_f16(a.min16 + off);
-      for (int r = 0; r < 8; ++r) {
+      for (int r = 0; r < 8; ++r) {  // pair rows r (k = 2r, 2r + 1) and r + 8 (+ 16)
         V16 lo0, hi0, lo1, hi1;
-        kiln_isa::load_u4(c + 2 * r * 16, lo0, hi0);
-        kiln_isa::load_u4(c + (2 * r + 1) * 16, lo1, hi1);
+        kiln_isa::load_u4x2(c + r * 32, lo0, lo1, hi0, hi1);
         _mm512_storeu_si512(p + r, pair_bf16(kiln_isa::fmadd(lo0, d, mn),
                                              kiln_isa::fmadd(lo1, d, mn)));
         _mm512_storeu_si512(p + r + 8, pair_bf16(kiln_isa::fmadd(hi0, d, mn),
@@ -87,23 +87,19 @@ void bf16_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels,
   }
 }
 
-// The direct Q4 kernel for bf16 x (the default activations): four uops turn 16 bytes of
-// codes into 16 bf16 pairs and one `vdpbf16ps` per row multiplies 32 of them, where the
-// fp32 path spends five uops and two FMAs per row (measured: the one-row Q4 kernel is
-// bound by those uops, not by memory). Each code q becomes the bf16 of 128 + q, whose bit
-// pattern is 0x4300 | q (exact: 7 mantissa bits): the chunk's dot product then carries
-// 128 * sum(x) too, which the fold subtracts with the offset term:
+// The direct Q4 kernel for bf16 x (the default activations). The paired layout
+// (linear_quant.h) makes 32 bytes of codes, widened to 16-bit lanes, two sets of
+// `vdpbf16ps` operands, one column's k and k + 1 per 32-bit lane: the low nibbles by one
+// ternlog, the high ones by a shift and an or, 4 uops per 64 codes (the one-row kernel is
+// bound by these uops, not by memory). x needs no reshuffle: its bf16 pair (k, k + 1) is
+// the 32 bits at k. Each code q becomes the bf16 of 128 + q, whose bit pattern is
+// 0x4300 | q (exact: 7 mantissa bits): the chunk's dot product then carries 128 * sum(x)
+// too, which the fold subtracts with the offset term:
 //   acc += d * dot + (m - 128 d) * sum(x).
-inline __m512bh q4_pairs(const uint8_t* p) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i t = _mm512_slli_epi32(b, 12);  // code k + 16 (high nibble) -> bits 16..19
-  const __m512i codes = _mm512_ternarylogic_epi32(b, t, _mm512_set1_epi32(0x000F000F), 0xA8);
-  return (__m512bh)_mm512_or_si512(codes, _mm512_set1_epi32(0x43004300));
-}
-
 template <int MR, int NR>
-void q4_bf16_direct(const QArgs& a, const uint32_t* xq, int64_t m0, int64_t nb) {
+void q4_bf16_direct(const QArgs& a, const uint16_t* x, int64_t m0, int64_t nb) {
   const int64_t chunks = a.K / 32;
+  const __m512i low = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
   V16 acc[MR][NR], g[MR][NR], h[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = g[m][j] = h[m][j] = kiln_isa::zero();
@@ -111,20 +107,25 @@ void q4_bf16_direct(const QArgs& a, const uint32_t* xq, int64_t m0, int64_t nb) 
     const uint8_t* c[NR];
     for (int j = 0; j < NR; ++j)
       c[j] = static_cast<const uint8_t*>(a.codes) + ((nb + j) * chunks + kc) * 256;
-    for (int jj = 0; jj < 16; jj += 2) {
-      if (jj % 4 == 0) prefetch_ahead<NR>(c, jj * 16, 256);
-      __m512bh w0[NR], w1[NR];
+    for (int p = 0; p < 8; ++p) {
+      if (p % 2 == 0) prefetch_ahead<NR>(c, p * 32, 256);
+      __m512bh wl[NR], wh[NR];
       for (int j = 0; j < NR; ++j) {
-        w0[j] = q4_pairs(c[j] + jj * 16);
-        w1[j] = q4_pairs(c[j] + (jj + 1) * 16);
+        const __m512i v = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c[j] + p * 32)));
+        wl[j] = (__m512bh)_mm512_ternarylogic_epi32(v, low, one28, 0xEA);  // (v & B) | C
+        wh[j] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), one28);
       }
       for (int m = 0; m < MR; ++m) {
-        const uint32_t* xr = xq + ((m0 + m) * chunks + kc) * 16 + jj;
-        const __m512bh xa = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[0]));
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[1]));
+        const uint16_t* xk = x + (m0 + m) * a.K + kc * 32 + 2 * p;
+        int32_t lo_pair, hi_pair;
+        std::memcpy(&lo_pair, xk, 4);
+        std::memcpy(&hi_pair, xk + 16, 4);
+        const __m512bh xa = (__m512bh)_mm512_set1_epi32(lo_pair);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(hi_pair);
         for (int j = 0; j < NR; ++j) {
-          g[m][j] = _mm512_dpbf16_ps(g[m][j], xa, w0[j]);
-          h[m][j] = _mm512_dpbf16_ps(h[m][j], xb, w1[j]);
+          g[m][j] = _mm512_dpbf16_ps(g[m][j], xa, wl[j]);
+          h[m][j] = _mm512_dpbf16_ps(h[m][j], xb, wh[j]);
         }
       }
     }
@@ -146,7 +147,7 @@ void q4_bf16_direct(const QArgs& a, const uint32_t* xq, int64_t m0, int64_t nb) 
       store_out(a, m0 + m, (nb + j) * 16, finish(a, acc[m][j], (nb + j) * 16));
 }
 
-using Q4DirectFn = void (*)(const QArgs&, const uint32_t*, int64_t, int64_t);
+using Q4DirectFn = void (*)(const QArgs&, const uint16_t*, int64_t, int64_t);
 template <int MR>
 constexpr Q4DirectFn kQ4Row[4] = {q4_bf16_direct<MR, 1>, q4_bf16_direct<MR, 2>,
                                   q4_bf16_direct<MR, 3>, q4_bf16_direct<MR, 4>};
@@ -158,18 +159,9 @@ constexpr Q4DirectFn kQ4Tall[4] = {q4_bf16_direct<5, 1>, q4_bf16_direct<6, 1>,
                                    q4_bf16_direct<7, 1>, q4_bf16_direct<8, 1>};
 
 void q4_bf16_gemm(const QArgs& a, const uint16_t* x) {
-  const int64_t chunks = a.K / 32;
-  // x as the bf16 pairs the kernel broadcasts: (x[32kc + jj], x[32kc + jj + 16]).
-  std::unique_ptr<uint32_t[]> xq(new uint32_t[a.M * chunks * 16]);
-  for (int64_t m = 0; m < a.M; ++m)
-    for (int64_t kc = 0; kc < chunks; ++kc)
-      for (int jj = 0; jj < 16; ++jj) {
-        const uint16_t* xr = x + m * a.K + kc * 32 + jj;
-        xq[(m * chunks + kc) * 16 + jj] = xr[0] | (static_cast<uint32_t>(xr[16]) << 16);
-      }
   if (a.M > 4 && a.M <= 8) {
     at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb) kQ4Tall[a.M - 5](a, xq.get(), 0, nb);
+      for (int64_t nb = begin; nb < end; ++nb) kQ4Tall[a.M - 5](a, x, 0, nb);
     });
     return;
   }
@@ -179,7 +171,7 @@ void q4_bf16_gemm(const QArgs& a, const uint16_t* x) {
     for (int64_t nb = begin; nb < end; nb += NR) {
       const int64_t nr = std::min<int64_t>(NR, end - nb);
       for (int64_t m = 0; m < a.M; m += MR)
-        kQ4Direct[std::min<int64_t>(MR, a.M - m) - 1][nr - 1](a, xq.get(), m, nb);
+        kQ4Direct[std::min<int64_t>(MR, a.M - m) - 1][nr - 1](a, x, m, nb);
     }
   });
 }
