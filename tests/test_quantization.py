@@ -3,6 +3,7 @@ repacked bit for bit, config resolution and its errors, and end-to-end greedy pa
 int8 and GGUF models (tiny, float32) eager and compiled."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -16,12 +17,13 @@ import torch.nn.functional as F
 
 from conftest import random_prompts
 from kiln.compiler import compilation_counter
+from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear_quant
 from kiln.quantization import resolve_quantization
 from kiln.quantization.gguf_weights import decode
-from kiln.quantization.packing import (FP8, INT8, Q4, Q8, dequantize, pack_q4, pack_q8,
-                                       quantize_fp8, quantize_int8, quantize_int8_groups,
-                                       unpack_codes)
+from kiln.quantization.packing import (FP8, INT8, Q4, Q8, dequantize, int8_activations,
+                                       pack_q4, pack_q8, quantize_fp8, quantize_int8,
+                                       quantize_int8_groups, unpack_codes)
 from test_gguf_convert import _tiny_model, write_tiny_gguf
 
 
@@ -36,11 +38,19 @@ def _random_weights(n: int, k: int, g: torch.Generator):
     }
 
 
+def _int8_activation_kernel(fmt: int, dtype: torch.dtype, panel: bool) -> bool:
+    """Whether this build's kernel quantizes x to int8 (the VNNI Q4 decode kernel of the
+    AVX512-BF16 classes, bf16 x, the direct path)."""
+    return (fmt == Q4 and dtype == torch.bfloat16 and not panel
+            and cpu_kernels.isa_class() in ("amx", "avx512_bf16"))
+
+
 @pytest.mark.usefixtures("cpu_kernels_loaded")
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (80, 64), (832, 576)])
 def test_kernel_matches_dequantize_then_matmul(n, k):
     """Every format, both kernels (direct, panel), fp32 and bf16 activations, row
-    counts and partial tiles, with and without bias."""
+    counts and partial tiles, with and without bias. Where the kernel quantizes x to
+    int8, the reference takes the same activations (`int8_activations`)."""
     g = torch.Generator().manual_seed(n + k)
     for fmt, w in _random_weights(n, k, g).items():
         ref_w = dequantize(w)
@@ -48,15 +58,16 @@ def test_kernel_matches_dequantize_then_matmul(n, k):
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(m, k, generator=g).to(dtype)
                 bias = torch.randn(n, generator=g)
-                for b in (None, bias):
-                    ref = F.linear(x.float(), ref_w, b)
-                    for panel_from in (0, 1):
-                        out = linear_quant(x, w.codes, w.scales, w.mins, b, fmt, panel_from)
-                        assert out.dtype == dtype and out.shape == (m, n)
-                        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                        # fp32: summation order only; bf16: the output's rounding
-                        assert err < (2e-6 if dtype == torch.float32 else 1e-2), \
-                            (fmt, m, dtype, panel_from, err)
+                for b, panel_from in itertools.product((None, bias), (0, 1)):
+                    xr = (int8_activations(x) if _int8_activation_kernel(fmt, dtype, panel_from > 0)
+                          else x.float())
+                    ref = F.linear(xr, ref_w, b)
+                    out = linear_quant(x, w.codes, w.scales, w.mins, b, fmt, panel_from)
+                    assert out.dtype == dtype and out.shape == (m, n)
+                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                    # fp32: summation order only; bf16: the output's rounding
+                    assert err < (2e-6 if dtype == torch.float32 else 1e-2), \
+                        (fmt, m, dtype, panel_from, err)
 
 
 def test_int8_quantization_error_is_at_most_half_a_step():

@@ -41,9 +41,9 @@ HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "linear_quant.h")]
 # The ISA classes, best first, with the instructions each build may use.
 ISA_FLAGS = {
-    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
-            "-mamx-bf16"],
-    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16",
+            "-mamx-tile", "-mamx-bf16"],
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
@@ -55,9 +55,12 @@ _state: dict[str, str | None] = {"signature": None, "reason": "not requested"}
 
 def host_isa() -> str:
     """This CPU's class: 'amx', 'avx512_bf16', 'avx512', 'avx2' or 'none'."""
-    if torch.cpu._is_amx_tile_supported():
+    # The bf16 classes' builds use AVX512-VNNI too (the Q4 decode kernel); every CPU with
+    # AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later) has it.
+    vnni = torch.cpu._is_vnni_supported()
+    if torch.cpu._is_amx_tile_supported() and vnni:
         return "amx"
-    if torch.cpu._is_avx512_bf16_supported():
+    if torch.cpu._is_avx512_bf16_supported() and vnni:
         return "avx512_bf16"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.startswith("AVX512"):

@@ -36,8 +36,8 @@ def _kernel():
             tile = nb[:, None] * chunks + kc[None, :]  # [BN, BK]
             live = rn[:, None] < N
             if FMT == 2:
-                j = kk[None, :] % 16  # byte (j // 2, c, j % 2) of the tile (linear_quant.h)
-                off = tile * 256 + (j // 2) * 32 + c[:, None] * 2 + j % 2
+                j = kk[None, :] % 16  # byte (j // 4, c, j % 4) of the tile (linear_quant.h)
+                off = tile * 256 + (j // 4) * 64 + c[:, None] * 4 + j % 4
                 b = tl.load(codes_ptr + off, mask=live, other=0).to(tl.int32)
                 q = tl.where(kk[None, :] < 16, b & 15, b >> 4).to(tl.float32)
             elif FMT == 3:  # e4m3 bits decoded exactly: (8 + m) * 2^(e - 10), m * 2^-9

@@ -7,11 +7,12 @@ from collections import Counter
 import torch
 from torch import nn
 
+from kiln.ops import cpu_kernels
 from kiln.ops.linear import param_owners
 from kiln.quantization.config import QuantizationConfig
 from kiln.quantization.methods import QuantizedLinearMethod, format_name, install
-from kiln.quantization.packing import (FORMAT_NAMES, packable_shape, quantize_fp8,
-                                       quantize_int8, quantize_int8_groups)
+from kiln.quantization.packing import (FORMAT_NAMES, Q4, QuantWeight, packable_shape,
+                                       quantize_fp8, quantize_int8, quantize_int8_groups)
 from kiln.quantization.plan import default_panel_from, load_panel_plans
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,19 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
     kept = [n for n in linears if n not in weights]
     formats = Counter(format_name(m) for m in linears.values())
     summary = (f"{qc.describe()}: linear layers {dict(formats)}"
+               + _activation_note(weights, dtype)
                + (f"; float: {', '.join(kept[:4])}{' ...' if len(kept) > 4 else ''}"
                   if kept else ""))
     return summary
+
+
+def _activation_note(weights: dict[str, QuantWeight], dtype: torch.dtype) -> str:
+    """Where the kernels quantize activations, the start-up line says so: the Q4 decode
+    kernel of AVX512-BF16 builds takes bf16 x as int8 per 32 columns (llama.cpp's Q8_1)."""
+    if (dtype != torch.bfloat16 or not cpu_kernels.loaded()
+            or cpu_kernels.isa_class() not in ("amx", "avx512_bf16")
+            or not any(w.fmt == Q4 for w in weights.values())):
+        return ""
+    return ("; Q4 layers' decode rows (below each layer's panel row count) quantize the "
+            "bf16 activations to int8 per 32 columns, as llama.cpp does; prefill rows and "
+            "float32 runs use them unquantized")

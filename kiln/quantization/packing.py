@@ -87,12 +87,24 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> QuantWeight:
     n, k = q.shape
     t = _tile(q.to(torch.uint8))  # [nb, kc, 32, 16]
     b = t[:, :, :16] | (t[:, :, 16:] << 4)  # [nb, kc, j, c]: codes j and j + 16
-    # Adjacent j of one column side by side ([nb, kc, j // 2, c, j % 2]): widened to 16-bit
-    # lanes, each 32-bit lane then holds one column's pair of k, as `vdpbf16ps` takes them.
-    codes = b.view(n // 16, k // 32, 8, 2, 16).transpose(3, 4).reshape(n // 16, k // 32, 256)
+    # Four adjacent j of one column side by side ([nb, kc, j // 4, c, j % 4]): each 32-bit
+    # lane then holds one column's 4 k, as the VNNI dot product (`vpdpbusd`) takes them.
+    codes = b.view(n // 16, k // 32, 4, 4, 16).transpose(3, 4).reshape(n // 16, k // 32, 256)
     codes = codes.contiguous()
     return QuantWeight(Q4, codes, _group_tile(d.to(torch.float16)),
                        _group_tile(m.to(torch.float16)))
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the Q4 decode kernel of AVX512-BF16 builds sees it (llama.cpp's Q8_1
+    scheme): each row's 32-column chunks quantized to int8, s = max|x| / 127,
+    q = round(x / s), returned dequantized (q * s) in fp32. The kernel's reference."""
+    m, k = x.shape
+    g = x.detach().to(torch.float32).view(m, k // GROUP, GROUP)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv).clamp_(-127, 127)
+    return (q * (amax / 127.0)).view(m, k)
 
 
 def quantize_fp8(weight: torch.Tensor) -> QuantWeight:
@@ -110,7 +122,7 @@ def unpack_codes(w: QuantWeight) -> torch.Tensor:
     """The integer codes [N, K] (int16, so every format fits)."""
     nb, kc = w.codes.shape[:2]
     if w.fmt == Q4:
-        b = w.codes.view(nb, kc, 8, 16, 2).transpose(3, 4).reshape(nb, kc, 16, 16)
+        b = w.codes.view(nb, kc, 4, 16, 4).transpose(3, 4).reshape(nb, kc, 16, 16)
         t = torch.cat((b & 15, b >> 4), dim=2)
         return _untile(t).to(torch.int16)
     return _untile(w.codes.view(nb, kc, 32, 16)).to(torch.int16)

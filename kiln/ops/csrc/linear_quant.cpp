@@ -29,19 +29,15 @@ void direct(const QArgs& a, int64_t m0, int64_t nb) {
       const uint8_t* c[NR];
       for (int j = 0; j < NR; ++j)
         c[j] = static_cast<const uint8_t*>(a.codes) + ((nb + j) * chunks + kc) * 256;
-      for (int jj = 0; jj < 16; jj += 2) {  // k0 + jj, + 1 (low nibbles), + 16, + 17 (high)
-        V16 lo0[NR], lo1[NR], hi0[NR], hi1[NR];
+      for (int jj = 0; jj < 16; ++jj) {  // k0 + jj (low nibbles) and k0 + jj + 16 (high)
+        V16 lo[NR], hi[NR];
         if (jj % 4 == 0) prefetch_ahead<NR>(c, jj * 16, 256);
-        for (int j = 0; j < NR; ++j) kiln_isa::load_u4x2(c[j] + jj * 16, lo0[j], lo1[j], hi0[j], hi1[j]);
+        for (int j = 0; j < NR; ++j) kiln_isa::load_u4q(c[j] + (jj / 4) * 64, jj % 4, lo[j], hi[j]);
         for (int m = 0; m < MR; ++m) {
-          const float* xk = x[m] + k0 + jj;
-          const V16 xa = kiln_isa::set1(xk[0]), xb = kiln_isa::set1(xk[16]);
-          const V16 xc = kiln_isa::set1(xk[1]), xd = kiln_isa::set1(xk[17]);
+          const V16 xa = kiln_isa::set1(x[m][k0 + jj]), xb = kiln_isa::set1(x[m][k0 + jj + 16]);
           for (int j = 0; j < NR; ++j) {
-            g[m][j] = kiln_isa::fmadd(xa, lo0[j], g[m][j]);
-            h[m][j] = kiln_isa::fmadd(xb, hi0[j], h[m][j]);
-            g[m][j] = kiln_isa::fmadd(xc, lo1[j], g[m][j]);
-            h[m][j] = kiln_isa::fmadd(xd, hi1[j], h[m][j]);
+            g[m][j] = kiln_isa::fmadd(xa, lo[j], g[m][j]);
+            h[m][j] = kiln_isa::fmadd(xb, hi[j], h[m][j]);
           }
         }
       }
@@ -150,13 +146,11 @@ void dequant_block(const QArgs& a, int64_t nb, float* panel) {
     if constexpr (F == kQ4) {
       const uint8_t* c = static_cast<const uint8_t*>(a.codes) + (nb * chunks + kc) * 256;
       const V16 d = kiln_isa::load_f16(a.scale16 + off), mn = kiln_isa::load_f16(a.min16 + off);
-      for (int jj = 0; jj < 16; jj += 2) {
-        V16 lo0, lo1, hi0, hi1;
-        kiln_isa::load_u4x2(c + jj * 16, lo0, lo1, hi0, hi1);
-        kiln_isa::storeu(p + jj * 16, kiln_isa::fmadd(lo0, d, mn));
-        kiln_isa::storeu(p + (jj + 1) * 16, kiln_isa::fmadd(lo1, d, mn));
-        kiln_isa::storeu(p + (jj + 16) * 16, kiln_isa::fmadd(hi0, d, mn));
-        kiln_isa::storeu(p + (jj + 17) * 16, kiln_isa::fmadd(hi1, d, mn));
+      for (int jj = 0; jj < 16; ++jj) {
+        V16 lo, hi;
+        kiln_isa::load_u4q(c + (jj / 4) * 64, jj % 4, lo, hi);
+        kiln_isa::storeu(p + jj * 16, kiln_isa::fmadd(lo, d, mn));
+        kiln_isa::storeu(p + (jj + 16) * 16, kiln_isa::fmadd(hi, d, mn));
       }
     } else {
       const int8_t* c = static_cast<const int8_t*>(a.codes) + (nb * chunks + kc) * 512;

@@ -12,12 +12,11 @@
 //   kQ8       the same codes, one fp16 scale per column and chunk (GGUF Q8_0):
 //               scales fp16 [N/16, K/32, 16];     w = q * d
 //   kQ4       4-bit codes, fp16 scale and offset per column and chunk (GGUF Q4_1, Q4_0):
-//               codes uint8 [N/16, K/32, 8, 16, 2]: byte (p, c, e) = q[16nb + c, k]
+//               codes uint8 [N/16, K/32, 4, 16, 4]: byte (p, c, e) = q[16nb + c, k]
 //                                                  | q[16nb + c, k + 16] << 4,
-//                                                  k = 32kc + 2p + e
-//               (each column's bytes of k and k + 1 side by side: widened to 16-bit
-//               lanes, a 32-bit lane holds one column's pair of adjacent k, the operand
-//               layout of `vdpbf16ps`, so the bf16 kernel decodes 64 codes in 4 uops)
+//                                                  k = 32kc + 4p + e
+//               (each column's bytes of 4 adjacent k side by side: a 32-bit lane holds
+//               one column's 4 k, the operand layout of VNNI's `vpdpbusd`)
 //               scales, mins fp16 [N/16, K/32, 16]; w = q * d + m
 // x is fp32 or bf16 (widened to fp32 once per call); the output has x's dtype and is
 // rounded once, after the bias. Accumulation is fp32.

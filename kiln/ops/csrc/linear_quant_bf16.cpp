@@ -43,7 +43,9 @@ void weights_to_bf16(const QArgs& a, int64_t nb, uint16_t* panel) {
       const V16 d = kiln_isa::load_f16(a.scale16 + off), mn = kiln_isa::load_f16(a.min16 + off);
       for (int r = 0; r < 8; ++r) {  // pair rows r (k = 2r, 2r + 1) and r + 8 (+ 16)
         V16 lo0, hi0, lo1, hi1;
-        kiln_isa::load_u4x2(c + r * 32, lo0, lo1, hi0, hi1);
+        const uint8_t* q = c + (r / 2) * 64;
+        kiln_isa::load_u4q(q, 2 * (r % 2), lo0, hi0);
+        kiln_isa::load_u4q(q, 2 * (r % 2) + 1, lo1, hi1);
         _mm512_storeu_si512(p + r, pair_bf16(kiln_isa::fmadd(lo0, d, mn),
                                              kiln_isa::fmadd(lo1, d, mn)));
         _mm512_storeu_si512(p + r + 8, pair_bf16(kiln_isa::fmadd(hi0, d, mn),
@@ -87,45 +89,52 @@ void bf16_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels,
   }
 }
 
-// The direct Q4 kernel for bf16 x (the default activations). The paired layout
-// (linear_quant.h) makes 32 bytes of codes, widened to 16-bit lanes, two sets of
-// `vdpbf16ps` operands, one column's k and k + 1 per 32-bit lane: the low nibbles by one
-// ternlog, the high ones by a shift and an or, 4 uops per 64 codes (the one-row kernel is
-// bound by these uops, not by memory). x needs no reshuffle: its bf16 pair (k, k + 1) is
-// the 32 bits at k. Each code q becomes the bf16 of 128 + q, whose bit pattern is
-// 0x4300 | q (exact: 7 mantissa bits): the chunk's dot product then carries 128 * sum(x)
-// too, which the fold subtracts with the offset term:
-//   acc += d * dot + (m - 128 d) * sum(x).
+// The direct Q4 kernel for bf16 x (few rows: decode), llama.cpp's scheme: x is quantized
+// to int8 per row and 32-column chunk (scale max|x| / 127, round to nearest) and meets
+// the 4-bit codes in VNNI's `vpdpbusd`, 64 multiply-adds per instruction, where a bf16
+// `vdpbf16ps` does 32 and needs the codes widened first. In the quad layout
+// (linear_quant.h) one 64-byte load holds 128 codes: the low nibbles by one and, the high
+// ones masked in place (16 q, folded back by 1/16), so 2 uops decode 128 codes. Integer
+// sums are exact; per chunk they are scaled once and the offset term uses the exact
+// chunk sum of x:  acc += d * s_x * (dot_lo + dot_hi / 16) + m * sum(x).
+struct XQ8 {
+  const int8_t* q;   // [M, K] int8
+  const float* s;    // [M, K/32] scales
+};
+
 template <int MR, int NR>
-void q4_bf16_direct(const QArgs& a, const uint16_t* x, int64_t m0, int64_t nb) {
+void q4_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
   const int64_t chunks = a.K / 32;
-  const __m512i low = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
-  V16 acc[MR][NR], g[MR][NR], h[MR][NR];
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const V16 sixteenth = kiln_isa::set1(1.f / 16);
+  V16 acc[MR][NR];
+  __m512i g[MR][NR], h[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) acc[m][j] = g[m][j] = h[m][j] = kiln_isa::zero();
+    for (int j = 0; j < NR; ++j) {
+      acc[m][j] = kiln_isa::zero();
+      g[m][j] = h[m][j] = _mm512_setzero_si512();
+    }
   for (int64_t kc = 0; kc < chunks; ++kc) {
     const uint8_t* c[NR];
     for (int j = 0; j < NR; ++j)
       c[j] = static_cast<const uint8_t*>(a.codes) + ((nb + j) * chunks + kc) * 256;
-    for (int p = 0; p < 8; ++p) {
-      if (p % 2 == 0) prefetch_ahead<NR>(c, p * 32, 256);
-      __m512bh wl[NR], wh[NR];
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead<NR>(c, p * 64, 256);
+      __m512i lo[NR], hi[NR];
       for (int j = 0; j < NR; ++j) {
-        const __m512i v = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c[j] + p * 32)));
-        wl[j] = (__m512bh)_mm512_ternarylogic_epi32(v, low, one28, 0xEA);  // (v & B) | C
-        wh[j] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), one28);
+        const __m512i v = _mm512_loadu_si512(c[j] + p * 64);
+        lo[j] = _mm512_and_si512(v, low);
+        hi[j] = _mm512_and_si512(v, high);
       }
       for (int m = 0; m < MR; ++m) {
-        const uint16_t* xk = x + (m0 + m) * a.K + kc * 32 + 2 * p;
-        int32_t lo_pair, hi_pair;
-        std::memcpy(&lo_pair, xk, 4);
-        std::memcpy(&hi_pair, xk + 16, 4);
-        const __m512bh xa = (__m512bh)_mm512_set1_epi32(lo_pair);
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(hi_pair);
+        const int8_t* xk = xq.q + (m0 + m) * a.K + kc * 32 + 4 * p;
+        int32_t lo_quad, hi_quad;
+        std::memcpy(&lo_quad, xk, 4);
+        std::memcpy(&hi_quad, xk + 16, 4);
+        const __m512i xa = _mm512_set1_epi32(lo_quad), xb = _mm512_set1_epi32(hi_quad);
         for (int j = 0; j < NR; ++j) {
-          g[m][j] = _mm512_dpbf16_ps(g[m][j], xa, wl[j]);
-          h[m][j] = _mm512_dpbf16_ps(h[m][j], xb, wh[j]);
+          g[m][j] = _mm512_dpbusd_epi32(g[m][j], lo[j], xa);
+          h[m][j] = _mm512_dpbusd_epi32(h[m][j], hi[j], xb);
         }
       }
     }
@@ -133,12 +142,14 @@ void q4_bf16_direct(const QArgs& a, const uint16_t* x, int64_t m0, int64_t nb) {
       const int64_t off = ((nb + j) * chunks + kc) * 16;
       _mm_prefetch(reinterpret_cast<const char*>(a.scale16 + off + kAhead * 16), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(a.min16 + off + kAhead * 16), _MM_HINT_T0);
-      const V16 d = kiln_isa::load_f16(a.scale16 + off);
-      const V16 mn = kiln_isa::fnmadd(kiln_isa::set1(128.f), d, kiln_isa::load_f16(a.min16 + off));
+      const V16 d = kiln_isa::load_f16(a.scale16 + off), mn = kiln_isa::load_f16(a.min16 + off);
       for (int m = 0; m < MR; ++m) {
-        acc[m][j] = kiln_isa::fmadd(kiln_isa::add(g[m][j], h[m][j]), d, acc[m][j]);
-        acc[m][j] = kiln_isa::fmadd(kiln_isa::set1(a.xsum[(m0 + m) * chunks + kc]), mn, acc[m][j]);
-        g[m][j] = h[m][j] = kiln_isa::zero();
+        const int64_t xc = (m0 + m) * chunks + kc;
+        const V16 dot = kiln_isa::fmadd(_mm512_cvtepi32_ps(h[m][j]), sixteenth,
+                                        _mm512_cvtepi32_ps(g[m][j]));
+        acc[m][j] = kiln_isa::fmadd(dot, kiln_isa::mul(d, kiln_isa::set1(xq.s[xc])), acc[m][j]);
+        acc[m][j] = kiln_isa::fmadd(kiln_isa::set1(a.xsum[xc]), mn, acc[m][j]);
+        g[m][j] = h[m][j] = _mm512_setzero_si512();
       }
     }
   }
@@ -147,21 +158,40 @@ void q4_bf16_direct(const QArgs& a, const uint16_t* x, int64_t m0, int64_t nb) {
       store_out(a, m0 + m, (nb + j) * 16, finish(a, acc[m][j], (nb + j) * 16));
 }
 
-using Q4DirectFn = void (*)(const QArgs&, const uint16_t*, int64_t, int64_t);
+// x (fp32, a.xf) to int8 per row and chunk: s = max|x| / 127, q = round(x / s); an
+// all-zero chunk gets s = 0 and codes 0.
+void quantize_rows(const QArgs& a, int8_t* q, float* s) {
+  for (int64_t i = 0; i < a.M * a.K / 32; ++i) {
+    const V16 x0 = kiln_isa::loadu(a.xf + i * 32), x1 = kiln_isa::loadu(a.xf + i * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    s[i] = amax / 127.f;
+    const V16 inv = kiln_isa::set1(amax > 0.f ? 127.f / amax : 0.f);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x0, inv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32 + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x1, inv))));
+  }
+}
+
+using Q4DirectFn = void (*)(const QArgs&, const XQ8&, int64_t, int64_t);
 template <int MR>
-constexpr Q4DirectFn kQ4Row[4] = {q4_bf16_direct<MR, 1>, q4_bf16_direct<MR, 2>,
-                                  q4_bf16_direct<MR, 3>, q4_bf16_direct<MR, 4>};
+constexpr Q4DirectFn kQ4Row[4] = {q4_vnni_direct<MR, 1>, q4_vnni_direct<MR, 2>,
+                                  q4_vnni_direct<MR, 3>, q4_vnni_direct<MR, 4>};
 constexpr const Q4DirectFn* kQ4Direct[4] = {kQ4Row<1>, kQ4Row<2>, kQ4Row<3>, kQ4Row<4>};
 // 5..8 rows (a decode step verifying draft tokens) in one pass over one column block:
 // each weight chunk is decoded once for every row (3 x MR accumulators: 24 registers at
 // MR = 8), where tiles of 4 rows decoded it twice.
-constexpr Q4DirectFn kQ4Tall[4] = {q4_bf16_direct<5, 1>, q4_bf16_direct<6, 1>,
-                                   q4_bf16_direct<7, 1>, q4_bf16_direct<8, 1>};
+constexpr Q4DirectFn kQ4Tall[4] = {q4_vnni_direct<5, 1>, q4_vnni_direct<6, 1>,
+                                   q4_vnni_direct<7, 1>, q4_vnni_direct<8, 1>};
 
-void q4_bf16_gemm(const QArgs& a, const uint16_t* x) {
+void q4_direct_gemm(const QArgs& a) {
+  std::unique_ptr<int8_t[]> q(new int8_t[a.M * a.K]);
+  std::unique_ptr<float[]> s(new float[a.M * a.K / 32]);
+  quantize_rows(a, q.get(), s.get());
+  const XQ8 xq{q.get(), s.get()};
   if (a.M > 4 && a.M <= 8) {
     at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb) kQ4Tall[a.M - 5](a, x, 0, nb);
+      for (int64_t nb = begin; nb < end; ++nb) kQ4Tall[a.M - 5](a, xq, 0, nb);
     });
     return;
   }
@@ -171,7 +201,7 @@ void q4_bf16_gemm(const QArgs& a, const uint16_t* x) {
     for (int64_t nb = begin; nb < end; nb += NR) {
       const int64_t nr = std::min<int64_t>(NR, end - nb);
       for (int64_t m = 0; m < a.M; m += MR)
-        kQ4Direct[std::min<int64_t>(MR, a.M - m) - 1][nr - 1](a, x, m, nb);
+        kQ4Direct[std::min<int64_t>(MR, a.M - m) - 1][nr - 1](a, xq, m, nb);
     }
   });
 }
@@ -218,7 +248,7 @@ bool bf16_gemm(const QArgs& a, const uint16_t* x, int64_t fmt, bool panel) {
     }
   }
   if (fmt != kQ4) return false;
-  q4_bf16_gemm(a, x);
+  q4_direct_gemm(a);
   return true;
 }
 #else

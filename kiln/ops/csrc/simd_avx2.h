@@ -116,22 +116,15 @@ inline __m256 i8_8(const int8_t* p) {
 }
 inline V16 load_i8(const int8_t* p) { return {i8_8(p), i8_8(p + 8)}; }
 // Byte c holds column c's code for k (low nibble) and k + 16 (high nibble).
-// 32 bytes of Q4 codes in the paired layout (linear_quant.h), 16 columns: the low nibbles
-// of k and k + 1 (lo0, lo1) and the high nibbles, k + 16 and k + 17 (hi0, hi1).
-inline void load_u4x2(const uint8_t* p, V16& lo0, V16& lo1, V16& hi0, V16& hi1) {
+// Q4 codes in the quad layout (linear_quant.h), 64 bytes = 16 columns x 4 k: the low
+// nibbles of k + e (lo) and the high ones, k + 16 + e (hi).
+inline void load_u4q(const uint8_t* p, int e, V16& lo, V16& hi) {
   const __m256i m = _mm256_set1_epi32(15);
-  __m256 out[4][2];
-  for (int h = 0; h < 2; ++h) {  // columns 8h..8h+7
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
-    out[0][h] = _mm256_cvtepi32_ps(_mm256_and_si256(v, m));
-    out[1][h] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16), m));
-    out[2][h] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), m));
-    out[3][h] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 20));
-  }
-  lo0 = {out[0][0], out[0][1]};
-  lo1 = {out[1][0], out[1][1]};
-  hi0 = {out[2][0], out[2][1]};
-  hi1 = {out[3][0], out[3][1]};
+  const __m256i v0 = _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 8 * e);
+  const __m256i v1 = _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 8 * e);
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(v0, m)), _mm256_cvtepi32_ps(_mm256_and_si256(v1, m))};
+  hi = {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v0, 4), m)),
+        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v1, 4), m))};
 }
 inline V16 load_f16(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),

@@ -88,15 +88,13 @@ inline V16 load_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 // Byte c holds column c's code for k (low nibble) and k + 16 (high nibble).
-// 32 bytes of Q4 codes in the paired layout (linear_quant.h), 16 columns: the low nibbles
-// of k and k + 1 (lo0, lo1) and the high nibbles, k + 16 and k + 17 (hi0, hi1).
-inline void load_u4x2(const uint8_t* p, V16& lo0, V16& lo1, V16& hi0, V16& hi1) {
-  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// Q4 codes in the quad layout (linear_quant.h), 64 bytes = 16 columns x 4 k: the low
+// nibbles of k + e (lo) and the high ones, k + 16 + e (hi).
+inline void load_u4q(const uint8_t* p, int e, V16& lo, V16& hi) {
+  const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512(p), 8 * e);
   const __m512i m = _mm512_set1_epi32(15);
-  lo0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, m));
-  hi0 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4), m));
-  lo1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 16), m));
-  hi1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 20));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, m));
+  hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4), m));
 }
 inline V16 load_f16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
