@@ -39,10 +39,10 @@ def _random_weights(n: int, k: int, g: torch.Generator):
 
 
 def _int8_activation_kernel(fmt: int, dtype: torch.dtype, panel: bool) -> bool:
-    """Whether this build's kernel quantizes x to int8 (the VNNI Q4 decode kernel of the
-    AVX512-BF16 classes, bf16 x, the direct path)."""
+    """Whether this build's kernel quantizes x to int8 (the direct Q4 kernel of the
+    AVX512-BF16 and AVX2 classes, bf16 x)."""
     return (fmt == Q4 and dtype == torch.bfloat16 and not panel
-            and cpu_kernels.isa_class() in ("amx", "avx512_bf16"))
+            and cpu_kernels.q4_int8_activations())
 
 
 @pytest.mark.usefixtures("cpu_kernels_loaded")

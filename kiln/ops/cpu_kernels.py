@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("linear_bf16.cpp", "linear_quant.cpp",
-                                      "linear_quant_bf16.cpp", "paged_attention.cpp",
+                                      "linear_quant_bf16.cpp", "linear_quant_x8.cpp",
+                                      "paged_attention.cpp",
                                       "greedy.cpp", "lora.cpp", "bitmask.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "linear_quant.h")]
@@ -92,6 +93,17 @@ def signature() -> str:
         h.update(src.read_bytes())
     h.update(repr((cflags(isa_class()), torch.__version__)).encode())
     return h.hexdigest()[:16]
+
+
+# The classes whose direct Q4 kernel takes bf16 x as int8 per 32 columns (llama.cpp's
+# Q8_1 scheme; csrc/linear_quant_x8.cpp): VNNI on the AVX512-BF16 classes, maddubs on
+# AVX2. Plain AVX512 builds keep the exact fp32 kernel.
+Q4_INT8_ACTIVATION_CLASSES = ("amx", "avx512_bf16", "avx2")
+
+
+def q4_int8_activations() -> bool:
+    """Whether the loaded kernels quantize bf16 activations of Q4 decode rows to int8."""
+    return loaded() and isa_class() in Q4_INT8_ACTIVATION_CLASSES
 
 
 def loaded() -> bool:

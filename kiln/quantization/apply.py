@@ -63,12 +63,12 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
 
 
 def _activation_note(weights: dict[str, QuantWeight], dtype: torch.dtype) -> str:
-    """Where the kernels quantize activations, the start-up line says so: the Q4 decode
-    kernel of AVX512-BF16 builds takes bf16 x as int8 per 32 columns (llama.cpp's Q8_1)."""
-    if (dtype != torch.bfloat16 or not cpu_kernels.loaded()
-            or cpu_kernels.isa_class() not in ("amx", "avx512_bf16")
+    """Where the kernels quantize activations, the start-up line says so: the direct Q4
+    kernel of the AVX512-BF16 and AVX2 builds takes bf16 x as int8 per 32 columns
+    (llama.cpp's Q8_1)."""
+    if (dtype != torch.bfloat16 or not cpu_kernels.q4_int8_activations()
             or not any(w.fmt == Q4 for w in weights.values())):
         return ""
-    return ("; Q4 layers' decode rows (below each layer's panel row count) quantize the "
-            "bf16 activations to int8 per 32 columns, as llama.cpp does; prefill rows and "
-            "float32 runs use them unquantized")
+    return ("; Q4 layers' rows below each layer's panel row count (decode; every row where "
+            "the panel is off) quantize the bf16 activations to int8 per 32 columns, as "
+            "llama.cpp does; panel rows and float32 runs use them unquantized")

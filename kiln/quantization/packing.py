@@ -96,8 +96,8 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> QuantWeight:
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the Q4 decode kernel of AVX512-BF16 builds sees it (llama.cpp's Q8_1
-    scheme): each row's 32-column chunks quantized to int8, s = max|x| / 127,
+    """x [M, K] as the direct Q4 kernel of AVX512-BF16 and AVX2 builds sees it (llama.cpp's
+    Q8_1 scheme): each row's 32-column chunks quantized to int8, s = max|x| / 127,
     q = round(x / s), returned dequantized (q * s) in fp32. The kernel's reference."""
     m, k = x.shape
     g = x.detach().to(torch.float32).view(m, k // GROUP, GROUP)

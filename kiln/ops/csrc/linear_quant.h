@@ -1,6 +1,7 @@
 // kiln_cpu::linear_quant — y = x @ dequant(w).T (+ b) over weights kept quantized: what its
-// two translation units share (linear_quant.cpp: the fp32 kernels and the op;
-// linear_quant_bf16.cpp: the native-bf16 kernels of AVX512-BF16 builds).
+// translation units share (linear_quant.cpp: the fp32 kernels and the op;
+// linear_quant_bf16.cpp: the native-bf16 panel of AVX512-BF16 builds; linear_quant_x8.cpp:
+// the Q4 decode kernel over int8 activations).
 //
 // Why it exists: decode-sized linears are memory-bound, so a weight that takes fewer
 // bytes is read faster; the weight is dequantized inside the kernel, in registers, and
@@ -28,8 +29,9 @@
 //   * panel (many rows): each thread dequantizes one 16-column block, whole K, into an
 //     fp32 scratch panel (L2-resident, per thread: no per-layer copy) once per block of x
 //     rows that fits L2 beside it, and runs a kQuantPanelRows x 16 tile over it.
-// With bf16 x on AVX512-BF16 builds, linear_quant_bf16.cpp takes over the panel (codes to
-// bf16, `vdpbf16ps` tiles) and the direct Q4 kernel (bf16 pairs of 128 + q).
+// With bf16 x, linear_quant_bf16.cpp takes over the panel on AVX512-BF16 builds (codes to
+// bf16, `vdpbf16ps` tiles), and linear_quant_x8.cpp the direct Q4 kernel on AVX512-BF16
+// and AVX2 builds (x quantized to int8 per 32 columns, integer dot products).
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -81,9 +83,13 @@ inline void prefetch_ahead(const T* const* c, int64_t at, int64_t chunk_bytes) {
 
 constexpr int64_t kPanelXBytes = 256 * 1024;  // the x rows one panel pass reuses
 
-// The native-bf16 kernels for bf16 x (linear_quant_bf16.cpp): the panel at `panel` row
-// counts, the direct Q4 kernel below them. False where this build has none for the case
-// (no AVX512-BF16, or a direct Q8/INT8 call): the caller runs the fp32 kernels.
-bool bf16_gemm(const QArgs& a, const uint16_t* x, int64_t fmt, bool panel);
+// The native-bf16 panel for bf16 x (linear_quant_bf16.cpp, at `panel` row counts). False
+// where this build has none (no AVX512-BF16): the caller runs the fp32 panel.
+bool bf16_panel(const QArgs& a, const uint16_t* x, int64_t fmt);
+
+// The direct Q4 kernel for bf16 x over int8 activations (linear_quant_x8.cpp, below
+// `panel` row counts): VNNI on AVX512-BF16 builds, maddubs on AVX2 builds. False where
+// this build has none (plain AVX512): the caller runs the exact fp32 direct kernel.
+bool q4_x8_gemm(const QArgs& a);
 
 }  // namespace kiln_quant

@@ -1,5 +1,5 @@
-// kiln_cpu::linear_quant's native-bf16 kernels (AVX512-BF16 and AMX builds, bf16 x); see
-// linear_quant.h for the formats. Other builds compile `bf16_gemm` as "not here".
+// kiln_cpu::linear_quant's native-bf16 panel (AVX512-BF16 and AMX builds, bf16 x); see
+// linear_quant.h for the formats. Other builds compile `bf16_panel` as "not here".
 #include "linear_quant.h"
 
 #include <ATen/Parallel.h>
@@ -89,123 +89,6 @@ void bf16_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels,
   }
 }
 
-// The direct Q4 kernel for bf16 x (few rows: decode), llama.cpp's scheme: x is quantized
-// to int8 per row and 32-column chunk (scale max|x| / 127, round to nearest) and meets
-// the 4-bit codes in VNNI's `vpdpbusd`, 64 multiply-adds per instruction, where a bf16
-// `vdpbf16ps` does 32 and needs the codes widened first. In the quad layout
-// (linear_quant.h) one 64-byte load holds 128 codes: the low nibbles by one and, the high
-// ones masked in place (16 q, folded back by 1/16), so 2 uops decode 128 codes. Integer
-// sums are exact; per chunk they are scaled once and the offset term uses the exact
-// chunk sum of x:  acc += d * s_x * (dot_lo + dot_hi / 16) + m * sum(x).
-struct XQ8 {
-  const int8_t* q;   // [M, K] int8
-  const float* s;    // [M, K/32] scales
-};
-
-template <int MR, int NR>
-void q4_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
-  const int64_t chunks = a.K / 32;
-  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
-  const V16 sixteenth = kiln_isa::set1(1.f / 16);
-  V16 acc[MR][NR];
-  __m512i g[MR][NR], h[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) {
-      acc[m][j] = kiln_isa::zero();
-      g[m][j] = h[m][j] = _mm512_setzero_si512();
-    }
-  for (int64_t kc = 0; kc < chunks; ++kc) {
-    const uint8_t* c[NR];
-    for (int j = 0; j < NR; ++j)
-      c[j] = static_cast<const uint8_t*>(a.codes) + ((nb + j) * chunks + kc) * 256;
-    for (int p = 0; p < 4; ++p) {
-      prefetch_ahead<NR>(c, p * 64, 256);
-      __m512i lo[NR], hi[NR];
-      for (int j = 0; j < NR; ++j) {
-        const __m512i v = _mm512_loadu_si512(c[j] + p * 64);
-        lo[j] = _mm512_and_si512(v, low);
-        hi[j] = _mm512_and_si512(v, high);
-      }
-      for (int m = 0; m < MR; ++m) {
-        const int8_t* xk = xq.q + (m0 + m) * a.K + kc * 32 + 4 * p;
-        int32_t lo_quad, hi_quad;
-        std::memcpy(&lo_quad, xk, 4);
-        std::memcpy(&hi_quad, xk + 16, 4);
-        const __m512i xa = _mm512_set1_epi32(lo_quad), xb = _mm512_set1_epi32(hi_quad);
-        for (int j = 0; j < NR; ++j) {
-          g[m][j] = _mm512_dpbusd_epi32(g[m][j], lo[j], xa);
-          h[m][j] = _mm512_dpbusd_epi32(h[m][j], hi[j], xb);
-        }
-      }
-    }
-    for (int j = 0; j < NR; ++j) {
-      const int64_t off = ((nb + j) * chunks + kc) * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(a.scale16 + off + kAhead * 16), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(a.min16 + off + kAhead * 16), _MM_HINT_T0);
-      const V16 d = kiln_isa::load_f16(a.scale16 + off), mn = kiln_isa::load_f16(a.min16 + off);
-      for (int m = 0; m < MR; ++m) {
-        const int64_t xc = (m0 + m) * chunks + kc;
-        const V16 dot = kiln_isa::fmadd(_mm512_cvtepi32_ps(h[m][j]), sixteenth,
-                                        _mm512_cvtepi32_ps(g[m][j]));
-        acc[m][j] = kiln_isa::fmadd(dot, kiln_isa::mul(d, kiln_isa::set1(xq.s[xc])), acc[m][j]);
-        acc[m][j] = kiln_isa::fmadd(kiln_isa::set1(a.xsum[xc]), mn, acc[m][j]);
-        g[m][j] = h[m][j] = _mm512_setzero_si512();
-      }
-    }
-  }
-  for (int j = 0; j < NR; ++j)
-    for (int m = 0; m < MR; ++m)
-      store_out(a, m0 + m, (nb + j) * 16, finish(a, acc[m][j], (nb + j) * 16));
-}
-
-// x (fp32, a.xf) to int8 per row and chunk: s = max|x| / 127, q = round(x / s); an
-// all-zero chunk gets s = 0 and codes 0.
-void quantize_rows(const QArgs& a, int8_t* q, float* s) {
-  for (int64_t i = 0; i < a.M * a.K / 32; ++i) {
-    const V16 x0 = kiln_isa::loadu(a.xf + i * 32), x1 = kiln_isa::loadu(a.xf + i * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    s[i] = amax / 127.f;
-    const V16 inv = kiln_isa::set1(amax > 0.f ? 127.f / amax : 0.f);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x0, inv))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32 + 16),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x1, inv))));
-  }
-}
-
-using Q4DirectFn = void (*)(const QArgs&, const XQ8&, int64_t, int64_t);
-template <int MR>
-constexpr Q4DirectFn kQ4Row[4] = {q4_vnni_direct<MR, 1>, q4_vnni_direct<MR, 2>,
-                                  q4_vnni_direct<MR, 3>, q4_vnni_direct<MR, 4>};
-constexpr const Q4DirectFn* kQ4Direct[4] = {kQ4Row<1>, kQ4Row<2>, kQ4Row<3>, kQ4Row<4>};
-// 5..8 rows (a decode step verifying draft tokens) in one pass over one column block:
-// each weight chunk is decoded once for every row (3 x MR accumulators: 24 registers at
-// MR = 8), where tiles of 4 rows decoded it twice.
-constexpr Q4DirectFn kQ4Tall[4] = {q4_vnni_direct<5, 1>, q4_vnni_direct<6, 1>,
-                                   q4_vnni_direct<7, 1>, q4_vnni_direct<8, 1>};
-
-void q4_direct_gemm(const QArgs& a) {
-  std::unique_ptr<int8_t[]> q(new int8_t[a.M * a.K]);
-  std::unique_ptr<float[]> s(new float[a.M * a.K / 32]);
-  quantize_rows(a, q.get(), s.get());
-  const XQ8 xq{q.get(), s.get()};
-  if (a.M > 4 && a.M <= 8) {
-    at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb) kQ4Tall[a.M - 5](a, xq, 0, nb);
-    });
-    return;
-  }
-  constexpr int MR = 4;
-  const int NR = a.M == 1 ? 4 : 2;  // as direct_gemm: one row keeps more loads in flight
-  at::parallel_for(0, a.N / 16, NR, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; nb += NR) {
-      const int64_t nr = std::min<int64_t>(NR, end - nb);
-      for (int64_t m = 0; m < a.M; m += MR)
-        kQ4Direct[std::min<int64_t>(MR, a.M - m) - 1][nr - 1](a, xq, m, nb);
-    }
-  });
-}
-
 using Bf16TileFn = void (*)(const QArgs&, const uint16_t*, const uint16_t* const*, int64_t,
                             int64_t);
 template <int F, int NR>
@@ -239,20 +122,15 @@ void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
 
 }  // namespace
 
-bool bf16_gemm(const QArgs& a, const uint16_t* x, int64_t fmt, bool panel) {
-  if (panel) {
-    switch (fmt) {
-      case kInt8: bf16_panel_gemm<kInt8>(a, x); return true;
-      case kQ8: bf16_panel_gemm<kQ8>(a, x); return true;
-      default: bf16_panel_gemm<kQ4>(a, x); return true;
-    }
+bool bf16_panel(const QArgs& a, const uint16_t* x, int64_t fmt) {
+  switch (fmt) {
+    case kInt8: bf16_panel_gemm<kInt8>(a, x); return true;
+    case kQ8: bf16_panel_gemm<kQ8>(a, x); return true;
+    default: bf16_panel_gemm<kQ4>(a, x); return true;
   }
-  if (fmt != kQ4) return false;
-  q4_direct_gemm(a);
-  return true;
 }
 #else
-bool bf16_gemm(const QArgs&, const uint16_t*, int64_t, bool) { return false; }
+bool bf16_panel(const QArgs&, const uint16_t*, int64_t) { return false; }
 #endif
 
 }  // namespace kiln_quant

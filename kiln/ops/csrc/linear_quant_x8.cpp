@@ -1,0 +1,273 @@
+// kiln_cpu::linear_quant's direct Q4 kernel for bf16 x (few rows: decode) over int8
+// activations, llama.cpp's scheme (its Q8_1): x is quantized to int8 per row and
+// 32-column chunk (scale max|x| / 127, round to nearest) and meets the 4-bit codes in
+// integer dot products, where the fp32 kernel widens every code to a float and spends an
+// FMA on it. Integer sums are exact; per chunk they are scaled once and the offset term
+// uses the exact chunk sum of x:  acc += d * s_x * dot(q, q_x) + m * sum(x).
+// Two builds (see linear_quant.h for the quad layout of the codes):
+//   * AVX512-BF16 (and AMX): VNNI's `vpdpbusd`, 64 multiply-adds per instruction; one
+//     64-byte load holds 128 codes, the low nibbles by one and, the high ones masked in
+//     place (16 q, folded back by 1/16), so 2 uops decode 128 codes.
+//   * AVX2 (Zen 2/3, Haswell to Alder Lake): `vpmaddubsw` (u8 x s8 pairs to int16) per
+//     8-column half, the int16 sums of a whole chunk added before one `vpmaddwd` widens
+//     them (16 products of at most 15 * 127 per lane: 30480 < 2^15, never saturating).
+// Plain AVX512 builds have neither here and run the exact fp32 kernel.
+#include "linear_quant.h"
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+namespace kiln_quant {
+
+#if defined(__AVX512VNNI__) || (defined(__AVX2__) && !defined(__AVX512F__))
+namespace {
+
+struct XQ8 {
+  const int8_t* q;   // [M, K] int8
+  const float* s;    // [M, K/32] scales
+};
+
+inline int32_t quad(const int8_t* p) {  // 4 adjacent int8 of x, as one broadcastable lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#ifdef __AVX512VNNI__
+template <int MR, int NR>
+void q4_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
+  const int64_t chunks = a.K / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const V16 sixteenth = kiln_isa::set1(1.f / 16);
+  V16 acc[MR][NR];
+  __m512i g[MR][NR], h[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) {
+      acc[m][j] = kiln_isa::zero();
+      g[m][j] = h[m][j] = _mm512_setzero_si512();
+    }
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const uint8_t* c[NR];
+    for (int j = 0; j < NR; ++j)
+      c[j] = static_cast<const uint8_t*>(a.codes) + ((nb + j) * chunks + kc) * 256;
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead<NR>(c, p * 64, 256);
+      __m512i lo[NR], hi[NR];
+      for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_loadu_si512(c[j] + p * 64);
+        lo[j] = _mm512_and_si512(v, low);
+        hi[j] = _mm512_and_si512(v, high);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xk = xq.q + (m0 + m) * a.K + kc * 32 + 4 * p;
+        const __m512i xa = _mm512_set1_epi32(quad(xk)), xb = _mm512_set1_epi32(quad(xk + 16));
+        for (int j = 0; j < NR; ++j) {
+          g[m][j] = _mm512_dpbusd_epi32(g[m][j], lo[j], xa);
+          h[m][j] = _mm512_dpbusd_epi32(h[m][j], hi[j], xb);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const int64_t off = ((nb + j) * chunks + kc) * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(a.scale16 + off + kAhead * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a.min16 + off + kAhead * 16), _MM_HINT_T0);
+      const V16 d = kiln_isa::load_f16(a.scale16 + off), mn = kiln_isa::load_f16(a.min16 + off);
+      for (int m = 0; m < MR; ++m) {
+        const int64_t xc = (m0 + m) * chunks + kc;
+        const V16 dot = kiln_isa::fmadd(_mm512_cvtepi32_ps(h[m][j]), sixteenth,
+                                        _mm512_cvtepi32_ps(g[m][j]));
+        acc[m][j] = kiln_isa::fmadd(dot, kiln_isa::mul(d, kiln_isa::set1(xq.s[xc])), acc[m][j]);
+        acc[m][j] = kiln_isa::fmadd(kiln_isa::set1(a.xsum[xc]), mn, acc[m][j]);
+        g[m][j] = h[m][j] = _mm512_setzero_si512();
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int m = 0; m < MR; ++m)
+      store_out(a, m0 + m, (nb + j) * 16, finish(a, acc[m][j], (nb + j) * 16));
+}
+
+// x (fp32, a.xf) to int8 per row and chunk: s = max|x| / 127, q = round(x / s); an
+// all-zero chunk gets s = 0 and codes 0.
+void quantize_rows(const QArgs& a, int8_t* q, float* s) {
+  for (int64_t i = 0; i < a.M * a.K / 32; ++i) {
+    const V16 x0 = kiln_isa::loadu(a.xf + i * 32), x1 = kiln_isa::loadu(a.xf + i * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    s[i] = amax / 127.f;
+    const V16 inv = kiln_isa::set1(amax > 0.f ? 127.f / amax : 0.f);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x0, inv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32 + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x1, inv))));
+  }
+}
+
+using Q4DirectFn = void (*)(const QArgs&, const XQ8&, int64_t, int64_t);
+template <int MR>
+constexpr Q4DirectFn kQ4Row[4] = {q4_vnni_direct<MR, 1>, q4_vnni_direct<MR, 2>,
+                                  q4_vnni_direct<MR, 3>, q4_vnni_direct<MR, 4>};
+constexpr const Q4DirectFn* kQ4Direct[4] = {kQ4Row<1>, kQ4Row<2>, kQ4Row<3>, kQ4Row<4>};
+// 5..8 rows (a decode step verifying draft tokens) in one pass over one column block:
+// each weight chunk is decoded once for every row (3 x MR accumulators: 24 registers at
+// MR = 8), where tiles of 4 rows decoded it twice.
+constexpr Q4DirectFn kQ4Tall[4] = {q4_vnni_direct<5, 1>, q4_vnni_direct<6, 1>,
+                                   q4_vnni_direct<7, 1>, q4_vnni_direct<8, 1>};
+
+void x8_gemm(const QArgs& a, const XQ8& xq) {
+  if (a.M > 4 && a.M <= 8) {
+    at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) kQ4Tall[a.M - 5](a, xq, 0, nb);
+    });
+    return;
+  }
+  constexpr int MR = 4;
+  const int NR = a.M == 1 ? 4 : 2;  // as direct_gemm: one row keeps more loads in flight
+  at::parallel_for(0, a.N / 16, NR, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; nb += NR) {
+      const int64_t nr = std::min<int64_t>(NR, end - nb);
+      for (int64_t m = 0; m < a.M; m += MR)
+        kQ4Direct[std::min<int64_t>(MR, a.M - m) - 1][nr - 1](a, xq, m, nb);
+    }
+  });
+}
+#else
+// MR rows x NH 8-column halves starting at half h0 (16-column block h0 / 2, bytes
+// (h0 % 2) * 32.. of each 64-byte quad group: 8 columns x 4 k) into out[MR][ostride].
+// Prefetch distance in code bytes (scales and offsets: an eighth of it). With one row
+// the kernel outruns what the hardware prefetcher fetches; measured on Zen 3 (2 threads,
+// a whole SmolLM2 step of distinct weights): 1 KiB ahead and two interleaved blocks per
+// thread 7.7-8.5 ms of linears per step, 4-16 KiB ahead over one stream 4.8-6.1 ms.
+constexpr int64_t kAheadBytes = 8192;
+
+template <int MR, int NH>
+void q4_x8_halves(const QArgs& a, const XQ8& xq, int64_t m0, int64_t h0, float* out,
+                  int64_t ostride) {
+  const int64_t chunks = a.K / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NH];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NH; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const uint8_t* c[NH];
+    for (int j = 0; j < NH; ++j)
+      c[j] = static_cast<const uint8_t*>(a.codes) + ((h0 + j) / 2 * chunks + kc) * 256 +
+             (h0 + j) % 2 * 32;
+    __m256i s[MR][NH];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NH; ++j) s[m][j] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      for (int j = 0; j < NH; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(c[j]) + p * 64 + kAheadBytes, _MM_HINT_T0);
+      __m256i lo[NH], hi[NH];
+      for (int j = 0; j < NH; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c[j] + p * 64));
+        lo[j] = _mm256_and_si256(v, low);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xk = xq.q + (m0 + m) * a.K + kc * 32 + 4 * p;
+        const __m256i xa = _mm256_set1_epi32(quad(xk)), xb = _mm256_set1_epi32(quad(xk + 16));
+        for (int j = 0; j < NH; ++j)
+          s[m][j] = _mm256_add_epi16(s[m][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], xa),
+                                                               _mm256_maddubs_epi16(hi[j], xb)));
+      }
+    }
+    for (int j = 0; j < NH; ++j) {
+      const int64_t off = ((h0 + j) / 2 * chunks + kc) * 16 + (h0 + j) % 2 * 8;
+      _mm_prefetch(reinterpret_cast<const char*>(a.scale16 + off) + kAheadBytes / 8, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a.min16 + off) + kAheadBytes / 8, _MM_HINT_T0);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale16 + off)));
+      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.min16 + off)));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t xc = (m0 + m) * chunks + kc;
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[m][j], ones));
+        acc[m][j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xq.s[xc])), acc[m][j]);
+        acc[m][j] = _mm256_fmadd_ps(_mm256_set1_ps(a.xsum[xc]), mn, acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NH; ++j) _mm256_storeu_ps(out + m * ostride + j * 8, acc[m][j]);
+}
+
+// out[MR][ostride] (fp32 sums of `blocks` whole 16-column blocks from nb) -> y.
+void store_blocks(const QArgs& a, const float* out, int64_t ostride, int64_t m0, int64_t mr,
+                  int64_t nb, int64_t blocks) {
+  for (int64_t m = 0; m < mr; ++m)
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t col = (nb + j) * 16;
+      store_out(a, m0 + m, col, finish(a, kiln_isa::loadu(out + m * ostride + j * 16), col));
+    }
+}
+
+// x (fp32, a.xf) to int8 per row and chunk: s = max|x| / 127, q = round(x / s); an
+// all-zero chunk gets s = 0 and codes 0.
+void quantize_rows(const QArgs& a, int8_t* q, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  // packs work per 128-bit lane; this puts the four rows of 8 back in order
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < a.M * a.K / 32; ++i) {
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+      v[t] = _mm256_loadu_ps(a.xf + i * 32 + 8 * t);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[t]));
+    }
+    const float amax = kiln_isa::hmax8(mx);
+    s[i] = amax / 127.f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i r[4];
+    for (int t = 0; t < 4; ++t) r[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv));
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                         _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * 32),
+                        _mm256_permutevar8x32_epi32(w, order));
+  }
+}
+
+using HalvesFn = void (*)(const QArgs&, const XQ8&, int64_t, int64_t, float*, int64_t);
+// 1..4 rows over one block (both halves at once: 2 x MR int16 sums, 4 code registers).
+constexpr HalvesFn kRows[4] = {q4_x8_halves<1, 2>, q4_x8_halves<2, 2>, q4_x8_halves<3, 2>,
+                               q4_x8_halves<4, 2>};
+// 5..8 rows (a decode step verifying draft tokens), one half at a time: each chunk's
+// codes are decoded once for every row, in the 16 ymm registers.
+constexpr HalvesFn kTall[4] = {q4_x8_halves<5, 1>, q4_x8_halves<6, 1>, q4_x8_halves<7, 1>,
+                               q4_x8_halves<8, 1>};
+
+void x8_gemm(const QArgs& a, const XQ8& xq) {
+  // Threads split the column blocks; each walks its blocks, which lie back to back in
+  // memory, in order: one sequential stream of codes (and one of scales, one of offsets).
+  at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float out[8 * 16];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      if (a.M > 4 && a.M <= 8) {
+        kTall[a.M - 5](a, xq, 0, 2 * nb, out, 16);
+        kTall[a.M - 5](a, xq, 0, 2 * nb + 1, out + 8, 16);
+        store_blocks(a, out, 16, 0, a.M, nb, 1);
+        continue;
+      }
+      for (int64_t m = 0; m < a.M; m += 4) {
+        const int64_t mr = std::min<int64_t>(4, a.M - m);
+        kRows[mr - 1](a, xq, m, 2 * nb, out, 16);
+        store_blocks(a, out, 16, m, mr, nb, 1);
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool q4_x8_gemm(const QArgs& a) {
+  std::unique_ptr<int8_t[]> q(new int8_t[a.M * a.K]);
+  std::unique_ptr<float[]> s(new float[a.M * a.K / 32]);
+  quantize_rows(a, q.get(), s.get());
+  x8_gemm(a, XQ8{q.get(), s.get()});
+  return true;
+}
+#else
+bool q4_x8_gemm(const QArgs&) { return false; }
+#endif
+
+}  // namespace kiln_quant
