@@ -46,11 +46,11 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
 
         weights, notes = gguf_linears(model, qc.gguf_path)
     method = QuantizedLinearMethod(qc.method)
-    plans, default = load_panel_plans(dtype), default_panel_from()
+    plans = load_panel_plans(dtype)
     for name, w in weights.items():
         layer = linears[name]
         install(layer, w, method, release_float=owners[id(layer.weight)] == 1)
-        layer.panel_from = plans.get((FORMAT_NAMES[w.fmt], *w.shape), default)
+        layer.panel_from = plans.get((FORMAT_NAMES[w.fmt], *w.shape), default_panel_from(w.fmt))
     for note in notes:
         logger.warning(note)
     kept = [n for n in linears if n not in weights]

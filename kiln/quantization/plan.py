@@ -14,16 +14,24 @@ import torch
 DIRECT, PANEL = "kiln-quant-direct", "kiln-quant-panel"
 
 
-def default_panel_from() -> int:
-    """Measured on Zen 4 (SmolLM2's shapes, 2 threads): with AVX512-BF16 the bf16 panel
-    beats the direct kernel from 8 rows (1.3-2x at 32-128 rows); the fp32 panel (what
-    the FMA-only classes run) did not beat it at any row count there, so it stays off
-    by default. The AVX2 class has not been timed on a quiet host: run
-    `kiln bench kernels --ops linear_quant` there and the table decides."""
+def default_panel_from(fmt: int) -> int:
+    """Where the tuning table has no entry for a layer. Measured with SmolLM2's shapes
+    and 2 threads (`kiln bench kernels --ops linear_quant`, bf16 x):
+    - AVX512-BF16 / AMX (Zen 4): the bf16 panel beats the direct kernel from 8 rows
+      (1.3-2x at 32-128 rows): 8 for every format.
+    - AVX2 (Zen 3): Q4's direct kernel over int8 activations beats the fp32 panel at every
+      row count (1.4x at 32 rows, 1.06-1.4x at 128): never. INT8 and Q8_0 still run fp32
+      FMAs in the direct kernel, and the fp32 panel beats it from 5 (INT8) or 32 (Q8_0)
+      rows, 1.2-2.1x at 32-128: 8.
+    - plain AVX512 (Zen 4's FMAs): the fp32 panel did not beat the direct kernel at any
+      row count: never."""
     from kiln.ops import cpu_kernels
+    from kiln.quantization.packing import Q4
 
-    native = cpu_kernels.loaded() and cpu_kernels.isa_class() in ("amx", "avx512_bf16")
-    return 8 if native else 0
+    isa = cpu_kernels.isa_class() if cpu_kernels.loaded() else "none"
+    if isa in ("amx", "avx512_bf16") or (isa == "avx2" and fmt != Q4):
+        return 8
+    return 0
 
 
 def panel_from_times(times: Mapping[int, Mapping[str, float]]) -> int:
