@@ -133,14 +133,14 @@ void x8_gemm(const QArgs& a, const XQ8& xq) {
   });
 }
 #else
-// MR rows x NH 8-column halves starting at half h0 (16-column block h0 / 2, bytes
-// (h0 % 2) * 32.. of each 64-byte quad group: 8 columns x 4 k) into out[MR][ostride].
 // Prefetch distance in code bytes (scales and offsets: an eighth of it). With one row
 // the kernel outruns what the hardware prefetcher fetches; measured on Zen 3 (2 threads,
 // a whole SmolLM2 step of distinct weights): 1 KiB ahead and two interleaved blocks per
 // thread 7.7-8.5 ms of linears per step, 4-16 KiB ahead over one stream 4.8-6.1 ms.
 constexpr int64_t kAheadBytes = 8192;
 
+// MR rows x NH 8-column halves starting at half h0 (16-column block h0 / 2, bytes
+// (h0 % 2) * 32.. of each 64-byte quad group: 8 columns x 4 k) into out[MR][ostride].
 template <int MR, int NH>
 void q4_x8_halves(const QArgs& a, const XQ8& xq, int64_t m0, int64_t h0, float* out,
                   int64_t ostride) {
