@@ -138,11 +138,22 @@ def weak_ref_tensors(value: Any) -> Any:
 
 
 _POOL: Any = None
+_POOL_KEEPER: Any = None
 
 
 def global_graph_pool() -> Any:
-    """One memory pool for every CUDA graph of the process, FULL and PIECEWISE alike."""
-    global _POOL
+    """One memory pool for every CUDA graph of the process, FULL and PIECEWISE alike.
+
+    A pool handle alone holds no reference: once every graph captured into it is freed
+    (an engine torn down) while one of its blocks is still alive, the allocator parks the
+    pool with a use count of 0, and the next capture into the same handle fails an internal
+    assert (`use_count > 0`, torch 2.11). A tiny graph captured into the pool and kept for
+    the life of the process holds one reference, so the handle stays valid."""
+    global _POOL, _POOL_KEEPER
     if _POOL is None:
-        _POOL = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()
+        keeper = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(keeper, pool=pool):
+            torch.zeros(1, device="cuda").add_(1)  # not empty: torch warns on empty graphs
+        _POOL, _POOL_KEEPER = pool, keeper
     return _POOL

@@ -93,10 +93,11 @@ def test_replay_with_a_moved_input_raises_when_checking():
         graph.replay((buf.clone(),))
 
 
-def _cuda_llm(path, level, **comp):
+def _cuda_llm(path, level, backend=None, **comp):
     return LLM(str(path), device="cuda", dtype="float32", optimization_level=level,
                progress=False, max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64,
-               num_kv_blocks=64, compilation={"cudagraph_capture_sizes": SIZES, **comp})
+               num_kv_blocks=64, attention_backend=backend,
+               compilation={"cudagraph_capture_sizes": SIZES, **comp})
 
 
 def _generate(llm, prompts):
@@ -108,9 +109,11 @@ def test_runner_piecewise_graphs_equal_eager(tiny_models, tmp_path):
     path = tiny_models["llama"][0]
     prompts = random_prompts(5, [3, 8, 21, 1, 12])  # 5 decoding requests pad to 8
     eager = _generate(_cuda_llm(path, 0), prompts)
-    llm = _cuda_llm(path, 2, cache_dir=str(tmp_path))
+    # The torch attention backend supports no FULL graph: the runner captures PIECEWISE
+    # only (the automatic CUDA choice, Triton, adds FULL decode graphs; tested below).
+    llm = _cuda_llm(path, 2, cache_dir=str(tmp_path), backend="torch")
     runner = llm.engine.runner
-    assert runner.dispatcher.mode is M.PIECEWISE  # the PyTorch backend is NEVER
+    assert runner.dispatcher.mode is M.PIECEWISE
     assert _generate(llm, prompts) == eager
     assert all(w.num_replays > 0 for w in runner.graph_wrappers)
 
