@@ -8,6 +8,7 @@
 
     python benchmarks/compile_levels.py [--levels 0 1 2 3] [--device cpu|cuda]
         [--model DIR | --random-weights] [--new-tokens 128] [--json PATH]
+        [--quantization none int8 fp8]   # decode columns per weight format, at each level
 
 `--random-weights` benchmarks a randomly initialised model of SmolLM2-135M's shape (for
 hosts without the embedded model; speed depends on shapes, not weights).
@@ -60,11 +61,13 @@ def first_token_s(args: argparse.Namespace, level: int, cache_dir: str) -> float
     return time.perf_counter() - start
 
 
-def decode_tok_s(args: argparse.Namespace, level: int, cache_dir: str) -> dict[int, float]:
+def decode_tok_s(args: argparse.Namespace, level: int, cache_dir: str,
+                 quantization: str = "none") -> dict[int, float]:
     from kiln import LLM, SamplingParams
 
     llm = LLM(args.model, optimization_level=level, progress=False, device=args.device,
-              compilation={"cache_dir": cache_dir})
+              compilation={"cache_dir": cache_dir},
+              quantization=None if quantization == "none" else quantization)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     words = PROMPT.split()
     out = {}
@@ -90,6 +93,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--skip-startup", action="store_true")
+    ap.add_argument("--quantization", nargs="+", default=["none"],
+                    help="weight formats for the decode table (none int8 fp8 ...)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="kiln-bench-cache-")
@@ -107,11 +112,12 @@ def main() -> None:
         print("\nstart-up: process start to first token (fresh process per row)")
         for name, secs in startup.items():
             print(f"  {name:8} {secs:6.1f} s")
-    decode = {f"O{lvl}": decode_tok_s(args, lvl, cache) for lvl in args.levels}
-    base = decode[f"O{args.levels[0]}"]
+    decode = {f"O{lvl}" + ("" if q == "none" else f" {q}"): decode_tok_s(args, lvl, cache, q)
+              for q in args.quantization for lvl in args.levels}
+    base = next(iter(decode.values()))
     print(f"\ndecode tokens/s on {args.device} ({args.new_tokens} new tokens per request)")
     print(f"  {'batch':>5} " + " ".join(f"{name:>8}" for name in decode)
-          + f"  (x vs O{args.levels[0]})")
+          + f"  (x vs {next(iter(decode))})")
     for b in args.batch:
         row = " ".join(f"{decode[name][b]:>8.1f}" for name in decode)
         ratios = " ".join(f"{decode[name][b] / base[b]:.2f}x" for name in decode)
