@@ -31,7 +31,7 @@ void direct(const QArgs& a, int64_t m0, int64_t nb) {
         c[j] = static_cast<const uint8_t*>(a.codes) + ((nb + j) * chunks + kc) * 256;
       for (int jj = 0; jj < 16; ++jj) {  // k0 + jj (low nibbles) and k0 + jj + 16 (high)
         V16 lo[NR], hi[NR];
-        if (jj % 4 == 0) prefetch_ahead<NR>(c, jj * 16, 256);
+        if (jj % 4 == 0) prefetch_ahead<NR>(c, jj * 16);
         for (int j = 0; j < NR; ++j) kiln_isa::load_u4q(c[j] + (jj / 4) * 64, jj % 4, lo[j], hi[j]);
         for (int m = 0; m < MR; ++m) {
           const V16 xa = kiln_isa::set1(x[m][k0 + jj]), xb = kiln_isa::set1(x[m][k0 + jj + 16]);
@@ -47,7 +47,7 @@ void direct(const QArgs& a, int64_t m0, int64_t nb) {
         c[j] = static_cast<const int8_t*>(a.codes) + ((nb + j) * chunks + kc) * 512;
       for (int kk = 0; kk < 32; kk += 2) {
         V16 w0[NR], w1[NR];
-        if (kk % 4 == 0) prefetch_ahead<NR>(c, kk * 16, 512);
+        if (kk % 4 == 0) prefetch_ahead<NR>(c, kk * 16);
         for (int j = 0; j < NR; ++j) {
           w0[j] = kiln_isa::load_i8(c[j] + kk * 16);
           w1[j] = kiln_isa::load_i8(c[j] + (kk + 1) * 16);
@@ -64,9 +64,11 @@ void direct(const QArgs& a, int64_t m0, int64_t nb) {
     if constexpr (F != kInt8) {  // fold the chunk: acc += d * (g + h) (+ m * sum(x))
       for (int j = 0; j < NR; ++j) {
         const int64_t off = ((nb + j) * chunks + kc) * 16;
-        _mm_prefetch(reinterpret_cast<const char*>(a.scale16 + off + kAhead * 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a.scale16 + off) + kAheadBytes / 8,
+                     _MM_HINT_T0);
         if constexpr (F == kQ4)
-          _mm_prefetch(reinterpret_cast<const char*>(a.min16 + off + kAhead * 16), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(a.min16 + off) + kAheadBytes / 8,
+                       _MM_HINT_T0);
         const V16 d = kiln_isa::load_f16(a.scale16 + off);
         const V16 mn = F == kQ4 ? kiln_isa::load_f16(a.min16 + off) : kiln_isa::zero();
         for (int m = 0; m < MR; ++m) {
@@ -94,21 +96,16 @@ using DirectFn = void (*)(const QArgs&, int64_t, int64_t);
 
 template <int F, int MR>
 DirectFn direct_for_blocks(int nr) {
-  switch (nr) {
-    case 4: if constexpr (kiln_isa::kQuantBlocks1 >= 4) return direct<F, MR, 4>;
-            [[fallthrough]];
-    case 3: if constexpr (kiln_isa::kQuantBlocks1 >= 3) return direct<F, MR, 3>;
-            [[fallthrough]];
-    case 2: if constexpr (kiln_isa::kQuantBlocks1 >= 2) return direct<F, MR, 2>;
-            [[fallthrough]];
-    default: return direct<F, MR, 1>;
+  if constexpr (kiln_isa::kQuantBlocks >= 2) {
+    if (nr == 2) return direct<F, MR, 2>;
   }
+  return direct<F, MR, 1>;
 }
 
 template <int F>
 DirectFn direct_fn(int mr, int nr) {
-  static_assert(kiln_isa::kQuantRows <= 4 && kiln_isa::kQuantBlocks1 <= 4,
-                "direct_fn covers tiles of up to 4 rows x 4 blocks");
+  static_assert(kiln_isa::kQuantRows <= 4 && kiln_isa::kQuantBlocks <= 2,
+                "direct_fn covers tiles of up to 4 rows x 2 blocks");
   switch (mr) {
     case 4: if constexpr (kiln_isa::kQuantRows >= 4) return direct_for_blocks<F, 4>(nr);
             [[fallthrough]];
@@ -122,9 +119,9 @@ DirectFn direct_fn(int mr, int nr) {
 template <int F>
 void direct_gemm(const QArgs& a) {
   constexpr int MR = kiln_isa::kQuantRows;
-  // One row reads each weight once: the widest tile (kQuantBlocks1) keeps more loads in
-  // flight; several rows share each weight load over kQuantBlocks blocks.
-  const int NR = a.M == 1 ? kiln_isa::kQuantBlocks1 : kiln_isa::kQuantBlocks;
+  // One row reads each weight once: one block at a time, one sequential stream per thread
+  // (see kAheadBytes); several rows share each weight load over kQuantBlocks blocks.
+  const int NR = a.M == 1 ? 1 : kiln_isa::kQuantBlocks;
   // Threads split the column blocks: each weight byte is read by one thread only.
   at::parallel_for(0, a.N / 16, NR, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; nb += NR) {

@@ -69,16 +69,22 @@ inline V16 finish(const QArgs& a, V16 acc, int64_t col) {
   return a.bias == nullptr ? acc : kiln_isa::add(acc, kiln_isa::loadu(a.bias + col));
 }
 
-// Each block's codes stream from memory in their own run of chunks; the hardware
-// prefetcher does not follow that many streams, so each loop asks for the line kAhead
-// chunks ahead in every block (measured: 3.8 -> 2.x ms of quantized linears per SmolLM2
-// decode step).
-constexpr int64_t kAhead = 4;
+// Each block's codes stream from memory in their own run of chunks. With one row the
+// kernels outrun what the hardware prefetcher fetches, so each loop asks for the line
+// kAheadBytes ahead in every stream it reads (scales and offsets: an eighth of it), and
+// one row walks one block at a time per thread: one sequential stream. Measured with a
+// whole SmolLM2 step of distinct weights (benchmarks/quant_step.py, 2 threads):
+//   Zen 3 (AVX2), int8-activation Q4: 1 KiB ahead over two interleaved blocks 7.7-8.5 ms,
+//     4-16 KiB ahead over one stream 4.8-6.1 ms;
+//   Zen 4 (AVX512-BF16), VNNI Q4: 1 KiB over four blocks 4.0-4.1 ms, 8 KiB over one
+//     stream 3.2-3.6 ms; fp32 INT8: 2 KiB over four blocks 5.3-5.9 ms, 8 KiB over one
+//     stream 4.5-4.8 ms (16 KiB: 4.5 ms, two blocks: 5.7 ms).
+constexpr int64_t kAheadBytes = 8192;
 
 template <int NR, class T>
-inline void prefetch_ahead(const T* const* c, int64_t at, int64_t chunk_bytes) {
+inline void prefetch_ahead(const T* const* c, int64_t at) {
   for (int j = 0; j < NR; ++j)
-    _mm_prefetch(reinterpret_cast<const char*>(c[j]) + at + kAhead * chunk_bytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c[j]) + at + kAheadBytes, _MM_HINT_T0);
 }
 
 constexpr int64_t kPanelXBytes = 256 * 1024;  // the x rows one panel pass reuses

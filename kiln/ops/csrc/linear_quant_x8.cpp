@@ -36,57 +36,45 @@ inline int32_t quad(const int8_t* p) {  // 4 adjacent int8 of x, as one broadcas
 }
 
 #ifdef __AVX512VNNI__
-template <int MR, int NR>
+// MR rows x one 16-column block: its codes are one sequential stream (chunk after chunk).
+template <int MR>
 void q4_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
   const int64_t chunks = a.K / 32;
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
   const V16 sixteenth = kiln_isa::set1(1.f / 16);
-  V16 acc[MR][NR];
-  __m512i g[MR][NR], h[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) {
-      acc[m][j] = kiln_isa::zero();
-      g[m][j] = h[m][j] = _mm512_setzero_si512();
-    }
+  V16 acc[MR];
+  __m512i g[MR], h[MR];
+  for (int m = 0; m < MR; ++m) {
+    acc[m] = kiln_isa::zero();
+    g[m] = h[m] = _mm512_setzero_si512();
+  }
+  const uint8_t* codes = static_cast<const uint8_t*>(a.codes) + nb * chunks * 256;
   for (int64_t kc = 0; kc < chunks; ++kc) {
-    const uint8_t* c[NR];
-    for (int j = 0; j < NR; ++j)
-      c[j] = static_cast<const uint8_t*>(a.codes) + ((nb + j) * chunks + kc) * 256;
+    const uint8_t* c = codes + kc * 256;
     for (int p = 0; p < 4; ++p) {
-      prefetch_ahead<NR>(c, p * 64, 256);
-      __m512i lo[NR], hi[NR];
-      for (int j = 0; j < NR; ++j) {
-        const __m512i v = _mm512_loadu_si512(c[j] + p * 64);
-        lo[j] = _mm512_and_si512(v, low);
-        hi[j] = _mm512_and_si512(v, high);
-      }
+      _mm_prefetch(reinterpret_cast<const char*>(c) + p * 64 + kAheadBytes, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(c + p * 64);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(v, high);
       for (int m = 0; m < MR; ++m) {
         const int8_t* xk = xq.q + (m0 + m) * a.K + kc * 32 + 4 * p;
-        const __m512i xa = _mm512_set1_epi32(quad(xk)), xb = _mm512_set1_epi32(quad(xk + 16));
-        for (int j = 0; j < NR; ++j) {
-          g[m][j] = _mm512_dpbusd_epi32(g[m][j], lo[j], xa);
-          h[m][j] = _mm512_dpbusd_epi32(h[m][j], hi[j], xb);
-        }
+        g[m] = _mm512_dpbusd_epi32(g[m], lo, _mm512_set1_epi32(quad(xk)));
+        h[m] = _mm512_dpbusd_epi32(h[m], hi, _mm512_set1_epi32(quad(xk + 16)));
       }
     }
-    for (int j = 0; j < NR; ++j) {
-      const int64_t off = ((nb + j) * chunks + kc) * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(a.scale16 + off + kAhead * 16), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(a.min16 + off + kAhead * 16), _MM_HINT_T0);
-      const V16 d = kiln_isa::load_f16(a.scale16 + off), mn = kiln_isa::load_f16(a.min16 + off);
-      for (int m = 0; m < MR; ++m) {
-        const int64_t xc = (m0 + m) * chunks + kc;
-        const V16 dot = kiln_isa::fmadd(_mm512_cvtepi32_ps(h[m][j]), sixteenth,
-                                        _mm512_cvtepi32_ps(g[m][j]));
-        acc[m][j] = kiln_isa::fmadd(dot, kiln_isa::mul(d, kiln_isa::set1(xq.s[xc])), acc[m][j]);
-        acc[m][j] = kiln_isa::fmadd(kiln_isa::set1(a.xsum[xc]), mn, acc[m][j]);
-        g[m][j] = h[m][j] = _mm512_setzero_si512();
-      }
+    const int64_t off = (nb * chunks + kc) * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(a.scale16 + off) + kAheadBytes / 8, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(a.min16 + off) + kAheadBytes / 8, _MM_HINT_T0);
+    const V16 d = kiln_isa::load_f16(a.scale16 + off), mn = kiln_isa::load_f16(a.min16 + off);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t xc = (m0 + m) * chunks + kc;
+      const V16 dot = kiln_isa::fmadd(_mm512_cvtepi32_ps(h[m]), sixteenth,
+                                      _mm512_cvtepi32_ps(g[m]));
+      acc[m] = kiln_isa::fmadd(dot, kiln_isa::mul(d, kiln_isa::set1(xq.s[xc])), acc[m]);
+      acc[m] = kiln_isa::fmadd(kiln_isa::set1(a.xsum[xc]), mn, acc[m]);
+      g[m] = h[m] = _mm512_setzero_si512();
     }
   }
-  for (int j = 0; j < NR; ++j)
-    for (int m = 0; m < MR; ++m)
-      store_out(a, m0 + m, (nb + j) * 16, finish(a, acc[m][j], (nb + j) * 16));
+  for (int m = 0; m < MR; ++m) store_out(a, m0 + m, nb * 16, finish(a, acc[m], nb * 16));
 }
 
 // x (fp32, a.xf) to int8 per row and chunk: s = max|x| / 127, q = round(x / s); an
@@ -105,40 +93,22 @@ void quantize_rows(const QArgs& a, int8_t* q, float* s) {
 }
 
 using Q4DirectFn = void (*)(const QArgs&, const XQ8&, int64_t, int64_t);
-template <int MR>
-constexpr Q4DirectFn kQ4Row[4] = {q4_vnni_direct<MR, 1>, q4_vnni_direct<MR, 2>,
-                                  q4_vnni_direct<MR, 3>, q4_vnni_direct<MR, 4>};
-constexpr const Q4DirectFn* kQ4Direct[4] = {kQ4Row<1>, kQ4Row<2>, kQ4Row<3>, kQ4Row<4>};
-// 5..8 rows (a decode step verifying draft tokens) in one pass over one column block:
-// each weight chunk is decoded once for every row (3 x MR accumulators: 24 registers at
-// MR = 8), where tiles of 4 rows decoded it twice.
-constexpr Q4DirectFn kQ4Tall[4] = {q4_vnni_direct<5, 1>, q4_vnni_direct<6, 1>,
-                                   q4_vnni_direct<7, 1>, q4_vnni_direct<8, 1>};
+// Up to 8 rows (a decode step verifying draft tokens) in one pass over a block: each
+// weight chunk is decoded once for every row (3 x MR accumulators: 24 registers at 8).
+constexpr Q4DirectFn kQ4Direct[8] = {q4_vnni_direct<1>, q4_vnni_direct<2>, q4_vnni_direct<3>,
+                                     q4_vnni_direct<4>, q4_vnni_direct<5>, q4_vnni_direct<6>,
+                                     q4_vnni_direct<7>, q4_vnni_direct<8>};
 
 void x8_gemm(const QArgs& a, const XQ8& xq) {
-  if (a.M > 4 && a.M <= 8) {
-    at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb) kQ4Tall[a.M - 5](a, xq, 0, nb);
-    });
-    return;
-  }
-  constexpr int MR = 4;
-  const int NR = a.M == 1 ? 4 : 2;  // as direct_gemm: one row keeps more loads in flight
-  at::parallel_for(0, a.N / 16, NR, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; nb += NR) {
-      const int64_t nr = std::min<int64_t>(NR, end - nb);
-      for (int64_t m = 0; m < a.M; m += MR)
-        kQ4Direct[std::min<int64_t>(MR, a.M - m) - 1][nr - 1](a, xq, m, nb);
-    }
+  // Threads split the column blocks; each walks its blocks, back to back in memory, in
+  // order: one sequential stream of codes (and one of scales, one of offsets).
+  at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t m = 0; m < a.M; m += 8)
+        kQ4Direct[std::min<int64_t>(8, a.M - m) - 1](a, xq, m, nb);
   });
 }
 #else
-// Prefetch distance in code bytes (scales and offsets: an eighth of it). With one row
-// the kernel outruns what the hardware prefetcher fetches; measured on Zen 3 (2 threads,
-// a whole SmolLM2 step of distinct weights): 1 KiB ahead and two interleaved blocks per
-// thread 7.7-8.5 ms of linears per step, 4-16 KiB ahead over one stream 4.8-6.1 ms.
-constexpr int64_t kAheadBytes = 8192;
-
 // MR rows x NH 8-column halves starting at half h0 (16-column block h0 / 2, bytes
 // (h0 % 2) * 32.. of each 64-byte quad group: 8 columns x 4 k) into out[MR][ostride].
 template <int MR, int NH>

@@ -133,7 +133,7 @@ inline V16 load_f16(const uint16_t* p) {
 // The quantized linear's register tiles (16 ymm): 2 rows x 1 block of two chunk-sum sets
 // and the totals (12 registers) for the direct kernel, 2 blocks for one row alone; 6 rows
 // for the panel kernel.
-constexpr int kQuantRows = 2, kQuantBlocks = 1, kQuantBlocks1 = 2, kQuantPanelRows = 6;
+constexpr int kQuantRows = 2, kQuantBlocks = 1, kQuantPanelRows = 6;
 
 // 4 rows x 1 column block: 8 accumulator registers, 4 for the widened weight row and 2
 // for the broadcast pair fit the 16 ymm registers (4 x 4 blocks would spill). Two blocks

@@ -102,7 +102,7 @@ inline V16 load_f16(const uint16_t* p) {
 // The quantized linear's register tiles: rows x 16-column blocks for the direct kernel
 // (two sets of chunk sums and the totals: 3 x 8 of the 32 registers), blocks for one
 // row alone, rows for the fp32 panel kernel.
-constexpr int kQuantRows = 4, kQuantBlocks = 2, kQuantBlocks1 = 4, kQuantPanelRows = 8;
+constexpr int kQuantRows = 4, kQuantBlocks = 2, kQuantPanelRows = 8;
 
 // 4 rows x 4 column blocks: 16 accumulators of the 32 zmm registers.
 constexpr int kGemmRows = 4, kGemmBlocks = 4;
