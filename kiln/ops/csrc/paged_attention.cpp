@@ -410,9 +410,11 @@ void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               "unified_attention: contiguous KV cache expected");
   write_kv(k.contiguous(), v.contiguous(), key_cache, value_cache,
            batch.slot_mappings[batch.groups[layer]], batch.num_tokens);
-  // Single-token rows, and without a window the requests of a few tokens (a verify step
-  // of speculative decoding: 1 + k tokens) whose query rows fit one attend_one call, run
-  // in the decode kernel; longer ones gather their blocks for SDPA.
+  // Single-token rows, and without a window the requests of a few tokens whose query rows
+  // fit one attend_one call, run in the decode kernel; longer ones gather their blocks for
+  // SDPA. (The backend's metadata already splits a verify step's 1 + k tokens after a
+  // long context into single-token rows; what reaches here unsplit is a short first
+  // chunk or a short row after a short context.)
   std::vector<int64_t> reqs(batch.decode_reqs.data_ptr<int64_t>(),
                             batch.decode_reqs.data_ptr<int64_t>() + batch.decode_reqs.numel());
   std::vector<int64_t> long_reqs;
