@@ -37,8 +37,8 @@ def test_mixed_prefill_and_decode_batch_with_padding(heads, kv_heads, block_size
     backend = backend_cls(spec)
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, D)
     # (context already cached, new tokens): a fresh prefill, a chunk with context, decodes,
-    # and a verify step's few tokens (the cpu backend runs short rows in its decode kernel
-    # while group * tokens fit its 16 query rows: here with group 1 and 2, not 6).
+    # and a verify step's few tokens after a longer context (the cpu backend splits those
+    # into decode rows, each with its causal length).
     shapes = [(0, 13), (20, 7), (37, 1), (5, 1), (30, 3)]
     perm = torch.randperm(num_blocks - 1) + 1  # scattered physical blocks, never block 0
     seqs, tables, next_block = [], [], 0

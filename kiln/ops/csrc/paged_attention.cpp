@@ -103,43 +103,33 @@ void pv_tail(int64_t rem, const float* s, int64_t padded, const T* const* rows,
 }
 
 template <typename T, int CH>
-void pv_all(const float* s, int64_t padded, int64_t G, const T* const* rows,
+void pv_all(const float* s, int64_t padded, int64_t n_rows, const T* const* rows,
             std::ptrdiff_t to_value, int64_t len, T* const* outs) {
   constexpr int RT = kPvAccumulators / CH > 0 ? kPvAccumulators / CH : 1;
   int64_t g = 0;
-  for (; g + RT <= G; g += RT)
+  for (; g + RT <= n_rows; g += RT)
     pv_rows<T, RT, CH>(s + g * padded, padded, rows, to_value, len, outs + g);
-  pv_tail<T, RT - 1, CH>(G - g, s + g * padded, padded, rows, to_value, len, outs + g);
+  pv_tail<T, RT - 1, CH>(n_rows - g, s + g * padded, padded, rows, to_value, len, outs + g);
 }
 
-// One (request, KV head): the `group` query heads sharing that KV head for each of the
-// request's `nq` query tokens (1 for decode; 1 + k when verifying k draft tokens), in two
-// passes over the context (scores from K sixteen keys at a time, then the
-// softmax-weighted sum of V). Query token i sits at position total - nq + i and sees the
-// keys up to it: its row softmaxes over exactly the keys a single-token decode at that
-// position would, in the same order, and the keys after it weigh exactly 0, so each row
-// is bit-identical to decoding it alone while K and V are read once for all rows.
-struct QueryRows {
-  int64_t nq, q_tok_stride, out_tok_stride, head_stride;
-};
-
+// One (request, KV head): the `group` query heads sharing that KV head, in two passes
+// over the context (scores from K sixteen keys at a time, then the softmax-weighted sum
+// of V). A verify step's 1 + k tokens arrive here as separate decode rows (the backend's
+// metadata splits them, each with its causal length).
 template <typename T>
-void attend_one(const T* q, T* out, const QueryRows& qr, const T* kc, const T* vc,
-                const int32_t* blocks, int64_t first, int64_t total, int64_t block_size,
-                int64_t kv_heads, int64_t head, int64_t group, int64_t D, float scale,
+void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blocks,
+                int64_t first, int64_t total, int64_t block_size, int64_t kv_heads,
+                int64_t head, int64_t group, int64_t D, int64_t q_head_stride, float scale,
                 float softcap, std::vector<float>& scores, std::vector<const T*>& rows) {
   // Keys first .. total - 1 (the window's, or all).
   const int64_t len = total - first;
   const int64_t chunks = D / 16, padded = (len + 15) / 16 * 16;
-  const int64_t G = group * qr.nq;  // query rows: token i, head g at i * group + g
-  auto q_row = [&](int64_t r) {
-    return q + r / group * qr.q_tok_stride + (head * group + r % group) * qr.head_stride;
-  };
   V16 qv[kMaxGroup][kMaxChunks];
-  for (int64_t r = 0; r < G; ++r)
+  for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c)
-      qv[r][c] = isa::mul(load16(q_row(r) + c * 16), isa::set1(scale));
-  scores.resize(G * padded);
+      qv[g][c] = isa::mul(load16(q + (head * group + g) * q_head_stride + c * 16),
+                          isa::set1(scale));
+  scores.resize(group * padded);
   // Row addresses once, block by block (no per-key division); V rows sit at the same
   // offsets in the value cache.
   rows.resize(len);
@@ -161,7 +151,7 @@ void attend_one(const T* q, T* out, const QueryRows& qr, const T* kc, const T* v
   for (int64_t j = 0; j < std::min<int64_t>(len, 16); ++j) prefetch_row(rows[j]);
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     for (int64_t j = j0 + 16; j < std::min<int64_t>(len, j0 + 32); ++j) prefetch_row(rows[j]);
-    // The 16 keys as fp32, widened once for all G query rows (bf16: into kf, an L1-sized
+    // The 16 keys as fp32, widened once for all group query rows (bf16: into kf, an L1-sized
     // scratch; fp32 rows are read in place).
     const float* keys[16];
     for (int i = 0; i < 16; ++i) {
@@ -175,7 +165,7 @@ void attend_one(const T* q, T* out, const QueryRows& qr, const T* kc, const T* v
         keys[i] = kf + i * D;
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < group; ++g) {
       V16 acc[16];  // in reduce16's order, so that lane i of the sums is key j0 + i
       for (int i = 0; i < 16; ++i) {
         const float* k = keys[isa::kReduceOrder[i]];
@@ -188,70 +178,64 @@ void attend_one(const T* q, T* out, const QueryRows& qr, const T* kc, const T* v
     }
   }
   if (softcap > 0.f) {  // the scale is already in q
-    for (int64_t g = 0; g < G; ++g)
+    for (int64_t g = 0; g < group; ++g)
       for (int64_t j = 0; j < len; ++j) {
         float& x = scores[g * padded + j];
         x = softcap * std::tanh(x / softcap);
       }
   }
   const isa::Mask16 all = isa::first_lanes(16);
-  for (int64_t g = 0; g < G; ++g) {
+  const isa::Mask16 tail = isa::first_lanes(len % 16 ? len % 16 : 16);
+  for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * padded;
-    const int64_t n = len - (qr.nq - 1 - g / group);  // the keys this row sees
-    const int64_t n_padded = (n + 15) / 16 * 16;
-    const isa::Mask16 tail = isa::first_lanes(n % 16 ? n % 16 : 16);
     V16 mx = isa::set1(-INFINITY);
-    for (int64_t j = 0; j < n_padded; j += 16)
-      mx = isa::max_masked(mx, j + 16 <= n ? all : tail, isa::loadu(s + j));
+    for (int64_t j = 0; j < padded; j += 16)
+      mx = isa::max_masked(mx, j + 16 <= len ? all : tail, isa::loadu(s + j));
     const V16 m = isa::set1(isa::reduce_max(mx));
     V16 sum = isa::zero();
-    for (int64_t j = 0; j < n_padded; j += 16) {
-      const isa::Mask16 live = j + 16 <= n ? all : tail;
+    for (int64_t j = 0; j < padded; j += 16) {
+      const isa::Mask16 live = j + 16 <= len ? all : tail;
       const V16 e = isa::zero_unmasked(live, exp_nonpositive(isa::sub(isa::loadu(s + j), m)));
       sum = isa::add(sum, e);
       isa::storeu(s + j, e);
     }
     const V16 inv = isa::set1(1.f / isa::reduce_add(sum));
-    for (int64_t j = 0; j < n_padded; j += 16)
-      isa::storeu(s + j, isa::mul(isa::loadu(s + j), inv));
-    for (int64_t j = n_padded; j < len; ++j) s[j] = 0.f;  // later tokens' keys
+    for (int64_t j = 0; j < padded; j += 16) isa::storeu(s + j, isa::mul(isa::loadu(s + j), inv));
   }
   T* outs[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g)
-    outs[g] = out + g / group * qr.out_tok_stride + (head * group + g % group) * qr.head_stride;
+  for (int64_t g = 0; g < group; ++g) outs[g] = out + (head * group + g) * q_head_stride;
   switch (chunks) {
-    case 1: return pv_all<T, 1>(scores.data(), padded, G, rows.data(), to_value, len, outs);
-    case 2: return pv_all<T, 2>(scores.data(), padded, G, rows.data(), to_value, len, outs);
-    case 4: return pv_all<T, 4>(scores.data(), padded, G, rows.data(), to_value, len, outs);
-    case 8: return pv_all<T, 8>(scores.data(), padded, G, rows.data(), to_value, len, outs);
+    case 1: return pv_all<T, 1>(scores.data(), padded, group, rows.data(), to_value, len, outs);
+    case 2: return pv_all<T, 2>(scores.data(), padded, group, rows.data(), to_value, len, outs);
+    case 4: return pv_all<T, 4>(scores.data(), padded, group, rows.data(), to_value, len, outs);
+    case 8: return pv_all<T, 8>(scores.data(), padded, group, rows.data(), to_value, len, outs);
     default: break;
   }
   V16 acc[kMaxGroup][kMaxChunks];  // other head sizes: runtime loops (accumulators in memory)
-  for (int64_t g = 0; g < G; ++g)
+  for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c) acc[g][c] = isa::zero();
   for (int64_t j = 0; j < len; ++j) {
     if (j + 8 < len) prefetch_row(rows[j + 8] + to_value);
     const T* v = rows[j] + to_value;
     for (int64_t c = 0; c < chunks; ++c) {
       const V16 vv = load16(v + c * 16);
-      for (int64_t g = 0; g < G; ++g)
+      for (int64_t g = 0; g < group; ++g)
         acc[g][c] = isa::fmadd(isa::set1(scores[g * padded + j]), vv, acc[g][c]);
     }
   }
-  for (int64_t g = 0; g < G; ++g)
+  for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c) store16(outs[g] + c * 16, acc[g][c]);
 }
 
-// Requests `req[0..R)`, each with its query_start_loc span of tokens (one, or a few whose
-// group * tokens fit kMaxGroup rows: see attend_one), one item per (request, KV head).
 template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_table,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                 const int64_t* req, int64_t R, double scale, int64_t window, double softcap) {
-  const int64_t heads = q.size(1), D = q.size(2);
+                 const at::Tensor& reqs, double scale, int64_t window, double softcap) {
+  const int64_t R = reqs.size(0), heads = q.size(1), D = q.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads;
+  const auto* req = reqs.data_ptr<int64_t>();
   const auto* lens = seq_lens.data_ptr<int32_t>();
   const auto* qsl = query_start_loc.data_ptr<int32_t>();
   const auto* table = block_table.data_ptr<int32_t>();
@@ -266,12 +250,11 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = req[item / kv_heads], head = item % kv_heads;
       const int64_t tok = qsl[r];
-      const QueryRows qr{qsl[r + 1] - tok, q.stride(0), out.stride(0), q.stride(1)};
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
-      attend_one<T>(qp + tok * q.stride(0), op + tok * out.stride(0), qr, kc, vc,
+      attend_one<T>(qp + tok * q.stride(0), op + tok * out.stride(0), kc, vc,
                     table + r * table_stride, first, lens[r], block_size, kv_heads, head,
-                    group, D, static_cast<float>(scale), static_cast<float>(softcap),
-                    scores, rows);
+                    group, D, q.stride(1), static_cast<float>(scale),
+                    static_cast<float>(softcap), scores, rows);
     }
   });
 }
@@ -410,34 +393,20 @@ void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               "unified_attention: contiguous KV cache expected");
   write_kv(k.contiguous(), v.contiguous(), key_cache, value_cache,
            batch.slot_mappings[batch.groups[layer]], batch.num_tokens);
-  // Single-token rows, and without a window the requests of a few tokens whose query rows
-  // fit one attend_one call, run in the decode kernel; longer ones gather their blocks for
-  // SDPA. (The backend's metadata already splits a verify step's 1 + k tokens after a
-  // long context into single-token rows; what reaches here unsplit is a short first
-  // chunk or a short row after a short context.)
-  std::vector<int64_t> reqs(batch.decode_reqs.data_ptr<int64_t>(),
-                            batch.decode_reqs.data_ptr<int64_t>() + batch.decode_reqs.numel());
-  std::vector<int64_t> long_reqs;
-  const auto* qsl = batch.query_start_loc.data_ptr<int32_t>();
-  const auto* rows = batch.prefill_reqs.data_ptr<int64_t>();
-  for (int64_t i = 0; i < batch.prefill_reqs.numel(); ++i) {
-    const int64_t r = rows[i], q_len = qsl[r + 1] - qsl[r];
-    (window == 0 && q_len * group <= kMaxGroup ? reqs : long_reqs).push_back(r);
-  }
-  if (!reqs.empty()) {
-    const auto R = static_cast<int64_t>(reqs.size());
+  if (batch.decode_reqs.numel() > 0) {
     if (q.scalar_type() == at::kFloat) {
       decode_impl<float>(out, q, key_cache, value_cache, block_table, batch.seq_lens,
-                         batch.query_start_loc, reqs.data(), R, scale, window, softcap);
+                         batch.query_start_loc, batch.decode_reqs, scale, window, softcap);
     } else {
       TORCH_CHECK(q.scalar_type() == at::kBFloat16, "unified_attention: float32 or bfloat16");
       decode_impl<c10::BFloat16>(out, q, key_cache, value_cache, block_table,
-                                 batch.seq_lens, batch.query_start_loc, reqs.data(), R,
+                                 batch.seq_lens, batch.query_start_loc, batch.decode_reqs,
                                  scale, window, softcap);
     }
   }
-  for (int64_t r : long_reqs)
-    prefill(q, out, key_cache, value_cache, block_table, r, scale, window, softcap);
+  const auto* rows = batch.prefill_reqs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch.prefill_reqs.numel(); ++i)
+    prefill(q, out, key_cache, value_cache, block_table, rows[i], scale, window, softcap);
 }
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
