@@ -91,7 +91,8 @@ def test_pack_linears_frees_untied_weights_and_keeps_outputs(tiny_models):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_size,block_size",
-                         [(4, 2, 16, 16), (9, 3, 64, 16), (8, 1, 128, 32), (16, 16, 32, 16)])
+                         [(4, 2, 16, 16), (9, 3, 64, 16), (8, 1, 128, 32), (16, 16, 32, 16),
+                          (4, 2, 48, 16)])  # 48: a chunk count the kernel is not unrolled for
 def test_cpu_backend_matches_torch_backend(dtype, tol, heads, kv_heads, head_size,
                                            block_size):
     """Mixed prefills, chunks with context and decodes (contexts past 16 keys, so the

@@ -93,6 +93,8 @@ void pv_rows(const float* s, int64_t padded, const T* const* rows, std::ptrdiff_
 // Accumulators per tile: 16 of AVX512's 32 registers; AVX2 (V16 is two ymm) 8 of 16.
 constexpr int kPvAccumulators = std::is_class_v<V16> ? 8 : 16;
 
+alignas(64) constexpr float kZeroRow[16 * kMaxChunks] = {};
+
 template <typename T, int N, int CH>
 void pv_tail(int64_t rem, const float* s, int64_t padded, const T* const* rows,
              std::ptrdiff_t to_value, int64_t len, T* const* outs) {
@@ -116,14 +118,18 @@ void pv_all(const float* s, int64_t padded, int64_t n_rows, const T* const* rows
 // over the context (scores from K sixteen keys at a time, then the softmax-weighted sum
 // of V). A verify step's 1 + k tokens arrive here as separate decode rows (the backend's
 // metadata splits them, each with its causal length).
-template <typename T>
+// CH: the head size in 16-lane chunks when known at compile time (1, 2, 4, 8), 0 for
+// any other multiple of 16. A runtime chunk count left the score loop's 16 accumulators
+// in memory with a branch per chunk: 1 row x 300 keys cost 2-3x what the same loop
+// unrolled costs (Zen 4, bf16).
+template <typename T, int CH>
 void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blocks,
                 int64_t first, int64_t total, int64_t block_size, int64_t kv_heads,
                 int64_t head, int64_t group, int64_t D, int64_t q_head_stride, float scale,
                 float softcap, std::vector<float>& scores, std::vector<const T*>& rows) {
   // Keys first .. total - 1 (the window's, or all).
   const int64_t len = total - first;
-  const int64_t chunks = D / 16, padded = (len + 15) / 16 * 16;
+  const int64_t chunks = CH > 0 ? CH : D / 16, padded = (len + 15) / 16 * 16;
   V16 qv[kMaxGroup][kMaxChunks];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c)
@@ -153,9 +159,11 @@ void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blo
     for (int64_t j = j0 + 16; j < std::min<int64_t>(len, j0 + 32); ++j) prefetch_row(rows[j]);
     // The 16 keys as fp32, widened once for all group query rows (bf16: into kf, an L1-sized
     // scratch; fp32 rows are read in place).
+    // Keys past the end read a zero row: their lanes are masked out of the softmax, and
+    // the loop below stays branch-free.
     const float* keys[16];
     for (int i = 0; i < 16; ++i) {
-      keys[i] = nullptr;
+      keys[i] = kZeroRow;
       if (j0 + i >= len) continue;
       if constexpr (std::is_same_v<T, float>) {
         keys[i] = rows[j0 + i];
@@ -170,7 +178,6 @@ void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blo
       for (int i = 0; i < 16; ++i) {
         const float* k = keys[isa::kReduceOrder[i]];
         acc[i] = isa::zero();
-        if (k == nullptr) continue;
         for (int64_t c = 0; c < chunks; ++c)
           acc[i] = isa::fmadd(qv[g][c], isa::loadu(k + c * 16), acc[i]);
       }
@@ -251,10 +258,18 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
       const int64_t r = req[item / kv_heads], head = item % kv_heads;
       const int64_t tok = qsl[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
-      attend_one<T>(qp + tok * q.stride(0), op + tok * out.stride(0), kc, vc,
-                    table + r * table_stride, first, lens[r], block_size, kv_heads, head,
-                    group, D, q.stride(1), static_cast<float>(scale),
-                    static_cast<float>(softcap), scores, rows);
+      auto* attend = attend_one<T, 0>;
+      switch (D / 16) {
+        case 1: attend = attend_one<T, 1>; break;
+        case 2: attend = attend_one<T, 2>; break;
+        case 4: attend = attend_one<T, 4>; break;
+        case 8: attend = attend_one<T, 8>; break;
+        default: break;
+      }
+      attend(qp + tok * q.stride(0), op + tok * out.stride(0), kc, vc,
+             table + r * table_stride, first, lens[r], block_size, kv_heads, head, group, D,
+             q.stride(1), static_cast<float>(scale), static_cast<float>(softcap), scores,
+             rows);
     }
   });
 }
