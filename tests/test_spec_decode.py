@@ -55,6 +55,29 @@ def test_ngram_proposer_takes_the_longest_latest_match():
     assert NgramProposer(3, 2, 3).propose([9, 4, 1, 2, 4]) == []  # below lookup_min
 
 
+def test_ngram_draft_length_shrinks_after_a_rejection_and_grows_back():
+    """A step's outcome sets the next draft's limit: cut at position a -> a + 1 tokens,
+    taken whole -> twice as many, never past k."""
+    from kiln.runner.model_runner import CachedRequestState
+    from kiln.spec_decode.drafter import NgramDrafter
+
+    drafter = NgramDrafter(SpeculativeConfig("ngram", 4, 1, 1))
+    prompt = [7, 1, 2, 3, 4, 5, 6, 8, 9, 7]  # lookup (1-grams) drafts what followed before
+    s = CachedRequestState("r", list(prompt), [[0]], 10, SamplingParams(), None, 10, (0,))
+
+    def step(emitted: list[int]) -> list[int]:  # accepted drafts, then the bonus token
+        s.token_ids += emitted
+        s.spec_token_ids = drafter.propose([], [s]).get("r", [])
+        return s.spec_token_ids
+
+    assert step([]) == [1, 2, 3, 4]  # no history yet: k
+    assert step([1, 5]) == [6, 8]  # 1 of 4 taken: at most 2 next
+    assert step([6, 8, 9]) == [7, 1, 5, 6]  # both taken: 2 * 2
+    assert step([7, 1, 5, 6, 8]) == [9, 7, 1, 5]  # all taken: stays at k
+    assert step([3]) == [4]  # the first rejected: 1
+    assert step([4, 5]) == [6, 8]  # taken: 2
+
+
 def test_greedy_ngram_equals_plain_decoding_under_preemption_and_prefix_hits(plain):
     path, refs = plain
     # 14 usable blocks of 16 tokens for four requests of up to 102 tokens: preemption;

@@ -29,19 +29,46 @@ class Drafter(Protocol):
 
 
 class NgramDrafter:
-    """Prompt lookup on each request's own tokens; costs no forward."""
+    """Prompt lookup on each request's own tokens; costs no forward.
+
+    Draft length adapts per request, within num_speculative_tokens (k): after a draft was
+    cut short at position a, the next one has at most a + 1 tokens; after one was taken
+    whole, the limit doubles back towards k. Each draft token is a row of the verify
+    forward: where the text stops following its source, a long draft mostly pays for
+    rows that are thrown away, while a copy in progress keeps drafting k."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
+        self._limit: dict[str, int] = {}  # req_id -> its next draft's length limit
+        self._proposed_at: dict[str, int] = {}  # req_id -> len(token_ids) at its last draft
+
+    def _next_limit(self, s: CachedRequestState) -> int:
+        limit = self._limit.get(s.req_id, self.k)
+        start = self._proposed_at.get(s.req_id)
+        verified = s.spec_token_ids  # the drafts this step checked (as the scheduler cut them)
+        if verified and start is not None:
+            emitted = s.token_ids[start:]
+            accepted = 0
+            while (accepted < min(len(verified), len(emitted))
+                   and verified[accepted] == emitted[accepted]):
+                accepted += 1
+            limit = min(self.k, 2 * limit) if accepted == len(verified) else accepted + 1
+        return limit
 
     def propose(self, rows: Sequence[StepRow], states: Sequence[CachedRequestState]
                 ) -> dict[str, list[int]]:
         drafts = {}
+        limits = {}
         for s in states:
-            d = self.proposer.propose(s.token_ids)
+            limits[s.req_id] = limit = self._next_limit(s)
+            d = self.proposer.propose(s.token_ids, limit)
             if d:
                 drafts[s.req_id] = d
+        # Only requests that sampled this step are kept: the others start again at k.
+        self._limit = limits
+        self._proposed_at = {s.req_id: len(s.token_ids) for s in states}
         return drafts
 
 
