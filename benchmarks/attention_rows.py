@@ -1,0 +1,72 @@
+"""The CPU attention op per layer, by context and rows per request:
+`python benchmarks/attention_rows.py [--contexts 300 1000] [--rows 1 5 9] [--threads N]`.
+
+One request (SmolLM2's 9 query / 3 KV heads of 64 by default, bf16, blocks of 16) whose
+last `rows` tokens are new: 1 is a decode step, 1 + k a speculative verify step (the
+backend splits it into decode rows). Thirty layers' caches, so the KV does not sit in L1
+or L2 between calls as it would not in a model; prints the best per-layer time of 30
+rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from attention_batches import make_batch  # noqa: E402
+from kiln.attention import AttentionLayerSpec  # noqa: E402
+from kiln.attention.backends.cpu_paged import CpuPagedBackend  # noqa: E402
+from kiln.compiler import default_cache_root  # noqa: E402
+from kiln.ops import cpu_kernels  # noqa: E402
+
+LAYERS = 30
+
+
+def per_layer_us(context: int, rows: int, heads: int, kv_heads: int, head_size: int) -> float:
+    spec = AttentionLayerSpec(heads, kv_heads, head_size, head_size ** -0.5)
+    b = make_batch([(context - rows, rows)], heads, kv_heads, head_size, 16, 0, 0,
+                   dtype=torch.bfloat16)
+    md = CpuPagedBackend.build_metadata(b.metadata)
+    md.activate([md], [b.cache.clone() for _ in range(LAYERS)], [0] * LAYERS,
+                [spec] * LAYERS)
+    n = b.query.shape[0]
+    q = b.query.view(n, heads, head_size)
+    k, v = b.key.view(n, kv_heads, head_size), b.value.view(n, kv_heads, head_size)
+    out = torch.empty_like(q)
+    best = float("inf")
+    for _ in range(30):
+        start = time.perf_counter()
+        for layer in range(LAYERS):
+            torch.ops.kiln_cpu.unified_attention(q, k, v, out, layer)
+        best = min(best, time.perf_counter() - start)
+    md.deactivate()
+    return best / LAYERS * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", type=int, nargs="+", default=[300, 1000])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
+    ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64],
+                    metavar=("HEADS", "KV_HEADS", "HEAD_SIZE"))
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if not cpu_kernels.ensure_loaded(default_cache_root()):
+        sys.exit(f"kiln's CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"cpu attention, bf16, heads {args.heads}, {torch.get_num_threads()} threads, "
+          f"ISA class {cpu_kernels.isa_class()}: us per layer")
+    for context in args.contexts:
+        for rows in args.rows:
+            us = per_layer_us(context, rows, *args.heads)
+            print(f"  context {context:5d}  rows {rows:2d}  {us:7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
