@@ -211,12 +211,8 @@ void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blo
   }
   T* outs[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) outs[g] = out + (head * group + g) * q_head_stride;
-  switch (chunks) {
-    case 1: return pv_all<T, 1>(scores.data(), padded, group, rows.data(), to_value, len, outs);
-    case 2: return pv_all<T, 2>(scores.data(), padded, group, rows.data(), to_value, len, outs);
-    case 4: return pv_all<T, 4>(scores.data(), padded, group, rows.data(), to_value, len, outs);
-    case 8: return pv_all<T, 8>(scores.data(), padded, group, rows.data(), to_value, len, outs);
-    default: break;
+  if constexpr (CH > 0) {
+    return pv_all<T, CH>(scores.data(), padded, group, rows.data(), to_value, len, outs);
   }
   V16 acc[kMaxGroup][kMaxChunks];  // other head sizes: runtime loops (accumulators in memory)
   for (int64_t g = 0; g < group; ++g)
@@ -251,6 +247,14 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
   T* op = out.data_ptr<T>();
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
+  auto* attend = attend_one<T, 0>;  // the head size's unrolled build, where there is one
+  switch (D / 16) {
+    case 1: attend = attend_one<T, 1>; break;
+    case 2: attend = attend_one<T, 2>; break;
+    case 4: attend = attend_one<T, 4>; break;
+    case 8: attend = attend_one<T, 8>; break;
+    default: break;
+  }
   at::parallel_for(0, R * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const T*> rows;
@@ -258,14 +262,6 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
       const int64_t r = req[item / kv_heads], head = item % kv_heads;
       const int64_t tok = qsl[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
-      auto* attend = attend_one<T, 0>;
-      switch (D / 16) {
-        case 1: attend = attend_one<T, 1>; break;
-        case 2: attend = attend_one<T, 2>; break;
-        case 4: attend = attend_one<T, 4>; break;
-        case 8: attend = attend_one<T, 8>; break;
-        default: break;
-      }
       attend(qp + tok * q.stride(0), op + tok * out.stride(0), kc, vc,
              table + r * table_stride, first, lens[r], block_size, kv_heads, head, group, D,
              q.stride(1), static_cast<float>(scale), static_cast<float>(softcap), scores,
