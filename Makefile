@@ -28,12 +28,16 @@ run: $(STAMP)
 # Two warm-ups side by side: the default (bf16 wherever kiln's CPU kernels run, the GGUF
 # file's own blocks) and the float32 graph of the parity tests (dequantized weights, the
 # checkpoint transformers loads); each compile is mostly one g++ process.
+# Two pytest workers (pytest-xdist), one test file at a time each, so a module's fixtures
+# are built once: most of the suite waits on single-threaded Python (Dynamo, Inductor's
+# code generation, subprocesses), and two workers took a cold run on 2 cores from 15:11
+# to 12:43.
 test: $(STAMP)
 	$(KILN) warmup -O2 --dtype float32 --quantization none > $(VENV)/warmup-float32.log 2>&1 & fp32=$$!; \
 	$(KILN) warmup -O2; rc=$$?; \
 	if wait $$fp32; then tail -n 6 $(VENV)/warmup-float32.log; \
 	else cat $(VENV)/warmup-float32.log; rc=1; fi; exit $$rc
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # Micro-benchmarks of the hot ops and of a compiled decoder piece (pytest-benchmark, never
 # collected by `make test`), then kiln vs transformers on SmolLM2 (batch 1, 32 requests).

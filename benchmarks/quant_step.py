@@ -2,12 +2,15 @@
 distinct (so they stream from DRAM, not cache), kiln's CPU kernels per weight format.
 
     .venv/bin/python benchmarks/quant_step.py [--rows 1 2 4 8] [--layers 30]
-        [--formats bf16 q4 q8 int8]
+        [--formats bf16 q4 q8 int8] [--panel-from N]
 
 Shapes are SmolLM2-135M's (fused qkv, o, fused gate|up, down). Prints ms per step, the
 weight bytes read per second, and each format's speed-up over bf16. Per-shape kernel
 choices (`kiln bench kernels --ops linear_quant`) time one weight that stays in cache;
-this is the honest measure of a decode step's linear time.
+this is the honest measure of a decode step's linear time. `--panel-from` forces the
+quantized layers' panel row count (0: always direct, 1: always panel); by default each
+format's per-ISA default (`plan.default_panel_from`), as the engine runs without table
+entries.
 """
 from __future__ import annotations
 
@@ -50,14 +53,15 @@ def nbytes(w) -> int:
     return w.nbytes()
 
 
-def step(fmt: str, ws: list, xs: dict) -> None:
+def step(fmt: str, ws: list, xs: dict, panel_from: int | None = None) -> None:
     for w in ws:
         x = xs[_k(w)]
         if fmt == "bf16":
             linear(x, None, None, w)
         else:
-            # the engine's default: the panel kernel from this ISA's row count on
-            linear_quant(x, w.codes, w.scales, w.mins, None, w.fmt, default_panel_from(w.fmt))
+            # by default the engine's: the panel kernel from this ISA's row count on
+            p = default_panel_from(w.fmt) if panel_from is None else panel_from
+            linear_quant(x, w.codes, w.scales, w.mins, None, w.fmt, p)
 
 
 def _k(w) -> int:
@@ -71,6 +75,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--formats", nargs="+", default=["bf16", "q4", "q8", "int8"])
     ap.add_argument("--samples", type=int, default=7)
+    ap.add_argument("--panel-from", type=int, default=None)
     args = ap.parse_args()
     if not cpu_kernels.ensure_loaded(default_cache_root()):
         raise SystemExit(f"kiln's CPU kernels are unavailable: "
@@ -86,11 +91,11 @@ def main() -> None:
               for k in {k for _, k in SHAPES}}
         best = {f: float("inf") for f in args.formats}
         for f in args.formats:
-            step(f, sets[f], xs)  # warm-up
+            step(f, sets[f], xs, args.panel_from)  # warm-up
         for _ in range(args.samples):
             for f in args.formats:  # interleaved, so drift hits every format alike
                 start = time.perf_counter()
-                step(f, sets[f], xs)
+                step(f, sets[f], xs, args.panel_from)
                 best[f] = min(best[f], time.perf_counter() - start)
         gbs = {f: sum(nbytes(w) for w in sets[f]) / best[f] / 1e9 for f in args.formats}
         base = best[args.formats[0]]

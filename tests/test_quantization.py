@@ -39,10 +39,10 @@ def _random_weights(n: int, k: int, g: torch.Generator):
 
 
 def _int8_activation_kernel(fmt: int, dtype: torch.dtype, panel: bool) -> bool:
-    """Whether this build's kernel quantizes x to int8 (the direct Q4 kernel of the
-    AVX512-BF16 and AVX2 classes, bf16 x)."""
-    return (fmt == Q4 and dtype == torch.bfloat16 and not panel
-            and cpu_kernels.q4_int8_activations())
+    """Whether this build's kernel quantizes x to int8 (bf16 x, direct kernel: Q4 on the
+    AVX512-BF16 and AVX2 classes, Q8 on the VNNI ones)."""
+    on = {Q4: cpu_kernels.q4_int8_activations(), Q8: cpu_kernels.q8_int8_activations()}
+    return dtype == torch.bfloat16 and not panel and on.get(fmt, False)
 
 
 @pytest.mark.usefixtures("cpu_kernels_loaded")

@@ -106,6 +106,16 @@ def q4_int8_activations() -> bool:
     return loaded() and isa_class() in Q4_INT8_ACTIVATION_CLASSES
 
 
+# The direct Q8_0 kernel does the same on VNNI builds only (llama.cpp's Q8_0 x Q8_0 dot):
+# AVX2's `vpmaddubsw` would saturate on the offset codes, so AVX2 keeps it in fp32.
+Q8_INT8_ACTIVATION_CLASSES = ("amx", "avx512_bf16")
+
+
+def q8_int8_activations() -> bool:
+    """Whether the loaded kernels quantize bf16 activations of Q8_0 decode rows to int8."""
+    return loaded() and isa_class() in Q8_INT8_ACTIVATION_CLASSES
+
+
 def loaded() -> bool:
     return _state["signature"] is not None
 

@@ -11,7 +11,7 @@ from kiln.ops import cpu_kernels
 from kiln.ops.linear import param_owners
 from kiln.quantization.config import QuantizationConfig
 from kiln.quantization.methods import QuantizedLinearMethod, format_name, install
-from kiln.quantization.packing import (FORMAT_NAMES, Q4, QuantWeight, packable_shape,
+from kiln.quantization.packing import (FORMAT_NAMES, Q4, Q8, QuantWeight, packable_shape,
                                        quantize_fp8, quantize_int8, quantize_int8_groups)
 from kiln.quantization.plan import default_panel_from, load_panel_plans
 
@@ -64,11 +64,15 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
 
 def _activation_note(weights: dict[str, QuantWeight], dtype: torch.dtype) -> str:
     """Where the kernels quantize activations, the start-up line says so: the direct Q4
-    kernel of the AVX512-BF16 and AVX2 builds takes bf16 x as int8 per 32 columns
-    (llama.cpp's Q8_1)."""
-    if (dtype != torch.bfloat16 or not cpu_kernels.q4_int8_activations()
-            or not any(w.fmt == Q4 for w in weights.values())):
+    kernel of the AVX512-BF16 and AVX2 builds, and the direct Q8 kernel (GGUF Q8_0 and
+    `int8`'s group format) of the VNNI builds, take bf16 x as int8 per 32 columns
+    (llama.cpp's Q8_1 / Q8_0 dots)."""
+    fmts = {w.fmt for w in weights.values()}
+    names = [name for fmt, name, on in ((Q4, "Q4", cpu_kernels.q4_int8_activations()),
+                                        (Q8, "Q8", cpu_kernels.q8_int8_activations()))
+             if on and fmt in fmts]
+    if dtype != torch.bfloat16 or not names:
         return ""
-    return ("; Q4 layers' rows below each layer's panel row count (decode; every row where "
-            "the panel is off) quantize the bf16 activations to int8 per 32 columns, as "
-            "llama.cpp does; panel rows and float32 runs use them unquantized")
+    return (f"; {'/'.join(names)} layers' rows below each layer's panel row count (decode; "
+            "every row where the panel is off) quantize the bf16 activations to int8 per 32 "
+            "columns, as llama.cpp does; panel rows and float32 runs use them unquantized")

@@ -16,9 +16,16 @@ DIRECT, PANEL = "kiln-quant-direct", "kiln-quant-panel"
 
 def default_panel_from(fmt: int) -> int:
     """Where the tuning table has no entry for a layer. Measured with SmolLM2's shapes
-    and 2 threads (`kiln bench kernels --ops linear_quant`, bf16 x):
-    - AVX512-BF16 / AMX (Zen 4): the bf16 panel beats the direct kernel from 8 rows
-      (1.3-2x at 32-128 rows): 8 for every format.
+    and 2 threads, bf16 x, every layer's weight distinct (`benchmarks/quant_step.py
+    --panel-from 0|1`, the weights streaming from DRAM as in a decode step):
+    - AVX512-BF16 (Zen 4): Q4 and Q8_0 run the direct kernel over int8 activations
+      (VNNI), which decodes each chunk once per 8 rows and beats the bf16 panel through
+      32 rows (1.65x at 8, 1.2x at 32; a whole step's Q4_1 decode with 32 requests 1.29x)
+      and ties it at 64-128: 64, so decode batches take the faster kernel and prefill
+      keeps exact bf16 activations (with int8 ones there Q4_1's perplexity rose 3%,
+      llama.cpp's is 1.4% over bf16). INT8 (fp32 FMAs in the direct kernel): the bf16
+      panel from 8 rows.
+    - AMX: 8 for every format (the same two kernels, not measured on an AMX host).
     - AVX2 (Zen 3): Q4's direct kernel over int8 activations beats the fp32 panel at every
       row count (1.4x at 32 rows, 1.06-1.4x at 128): never. INT8 and Q8_0 still run fp32
       FMAs in the direct kernel, and the fp32 panel beats it from 5 (INT8) or 32 (Q8_0)
@@ -26,10 +33,12 @@ def default_panel_from(fmt: int) -> int:
     - plain AVX512 (Zen 4's FMAs): the fp32 panel did not beat the direct kernel at any
       row count: never."""
     from kiln.ops import cpu_kernels
-    from kiln.quantization.packing import Q4
+    from kiln.quantization.packing import INT8, Q4
 
     isa = cpu_kernels.isa_class() if cpu_kernels.loaded() else "none"
-    if isa in ("amx", "avx512_bf16") or (isa == "avx2" and fmt != Q4):
+    if isa == "avx512_bf16":
+        return 8 if fmt == INT8 else 64
+    if isa == "amx" or (isa == "avx2" and fmt != Q4):
         return 8
     return 0
 

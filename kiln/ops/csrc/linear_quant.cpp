@@ -204,6 +204,7 @@ void run(const QArgs& a, bool panel, const at::Tensor& x) {
   if (x.scalar_type() == at::kBFloat16) {
     if (panel && bf16_panel(a, reinterpret_cast<const uint16_t*>(x.data_ptr()), F)) return;
     if (!panel && F == kQ4 && q4_x8_gemm(a)) return;
+    if (!panel && F == kQ8 && q8_x8_gemm(a)) return;
   }
   if (panel) panel_gemm<F>(a);
   else direct_gemm<F>(a);

@@ -98,4 +98,9 @@ bool bf16_panel(const QArgs& a, const uint16_t* x, int64_t fmt);
 // this build has none (plain AVX512): the caller runs the exact fp32 direct kernel.
 bool q4_x8_gemm(const QArgs& a);
 
+// The direct Q8_0 kernel for bf16 x over int8 activations (linear_quant_x8.cpp, below
+// `panel` row counts; llama.cpp's Q8_0 x Q8_0 dot): VNNI builds only. False elsewhere
+// (AVX2's `vpmaddubsw` would saturate on the offset codes): the caller runs fp32.
+bool q8_x8_gemm(const QArgs& a);
+
 }  // namespace kiln_quant

@@ -1,4 +1,5 @@
-// kiln_cpu::linear_quant's direct Q4 kernel for bf16 x (few rows: decode) over int8
+// kiln_cpu::linear_quant's direct Q4 kernel (and, on VNNI builds, the Q8_0 one; see
+// q8_vnni_direct) for bf16 x (few rows: decode) over int8
 // activations, llama.cpp's scheme (its Q8_1): x is quantized to int8 per row and
 // 32-column chunk (scale max|x| / 127, round to nearest) and meets the 4-bit codes in
 // integer dot products, where the fp32 kernel widens every code to a float and spends an
@@ -27,6 +28,7 @@ namespace {
 struct XQ8 {
   const int8_t* q;   // [M, K] int8
   const float* s;    // [M, K/32] scales
+  const int32_t* sum;  // [M, K/32] sums of q (the Q8 kernel's correction; Q4: unused)
 };
 
 inline int32_t quad(const int8_t* p) {  // 4 adjacent int8 of x, as one broadcastable lane
@@ -77,6 +79,55 @@ void q4_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
   for (int m = 0; m < MR; ++m) store_out(a, m0 + m, nb * 16, finish(a, acc[m], nb * 16));
 }
 
+// Q8_0: MR rows x one 16-column block. Its codes are [kk][c] per chunk (linear_quant.h),
+// so a 64-byte load holds 4 k x 16 columns; `vpermd` gathers each 4-column group's 4 k
+// into one 128-bit lane and `vpshufb` transposes the 4 x 4 bytes there: each 32-bit lane
+// then holds one column's 4 adjacent k, in column order (no VBMI needed: Cooper Lake has
+// AVX512-BF16 without it). `vpdpbusd` multiplies unsigned by signed bytes, so the codes
+// go in as q ^ 0x80 = q + 128 and each row's chunk sum is corrected by 128 * sum(q_x),
+// exactly (|sum| <= 32 * 255 * 127 fits int32).
+template <int MR>
+void q8_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
+  constexpr int kChains = MR == 1 ? 2 : 1;  // one row alone: two dot chains hide latency
+  const int64_t chunks = a.K / 32;
+  const __m512i groups = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i bytes = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  V16 acc[MR];
+  __m512i g[MR][kChains];
+  for (int m = 0; m < MR; ++m) {
+    acc[m] = kiln_isa::zero();
+    for (int c = 0; c < kChains; ++c) g[m][c] = _mm512_setzero_si512();
+  }
+  const int8_t* codes = static_cast<const int8_t*>(a.codes) + nb * chunks * 512;
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const int8_t* c = codes + kc * 512;
+    for (int p = 0; p < 8; ++p) {  // k = 4p .. 4p + 3 of the chunk
+      _mm_prefetch(reinterpret_cast<const char*>(c) + p * 64 + kAheadBytes, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(c + p * 64);
+      const __m512i w = _mm512_xor_si512(
+          _mm512_shuffle_epi8(_mm512_permutexvar_epi32(groups, v), bytes), flip);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xk = xq.q + (m0 + m) * a.K + kc * 32 + 4 * p;
+        g[m][p % kChains] = _mm512_dpbusd_epi32(g[m][p % kChains], w, _mm512_set1_epi32(quad(xk)));
+      }
+    }
+    const int64_t off = (nb * chunks + kc) * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(a.scale16 + off) + kAheadBytes / 16, _MM_HINT_T0);
+    const V16 d = kiln_isa::load_f16(a.scale16 + off);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t xc = (m0 + m) * chunks + kc;
+      __m512i dot = _mm512_sub_epi32(g[m][0], _mm512_set1_epi32(128 * xq.sum[xc]));
+      if constexpr (kChains == 2) dot = _mm512_add_epi32(dot, g[m][1]);
+      acc[m] = kiln_isa::fmadd(_mm512_cvtepi32_ps(dot), kiln_isa::mul(d, kiln_isa::set1(xq.s[xc])),
+                               acc[m]);
+      for (int ch = 0; ch < kChains; ++ch) g[m][ch] = _mm512_setzero_si512();
+    }
+  }
+  for (int m = 0; m < MR; ++m) store_out(a, m0 + m, nb * 16, finish(a, acc[m], nb * 16));
+}
+
 // x (fp32, a.xf) to int8 per row and chunk: s = max|x| / 127, q = round(x / s); an
 // all-zero chunk gets s = 0 and codes 0.
 void quantize_rows(const QArgs& a, int8_t* q, float* s) {
@@ -92,20 +143,24 @@ void quantize_rows(const QArgs& a, int8_t* q, float* s) {
   }
 }
 
-using Q4DirectFn = void (*)(const QArgs&, const XQ8&, int64_t, int64_t);
+using TileFn = void (*)(const QArgs&, const XQ8&, int64_t, int64_t);
 // Up to 8 rows (a decode step verifying draft tokens) in one pass over a block: each
 // weight chunk is decoded once for every row (3 x MR accumulators: 24 registers at 8).
-constexpr Q4DirectFn kQ4Direct[8] = {q4_vnni_direct<1>, q4_vnni_direct<2>, q4_vnni_direct<3>,
-                                     q4_vnni_direct<4>, q4_vnni_direct<5>, q4_vnni_direct<6>,
-                                     q4_vnni_direct<7>, q4_vnni_direct<8>};
+constexpr TileFn kQ4Direct[8] = {q4_vnni_direct<1>, q4_vnni_direct<2>, q4_vnni_direct<3>,
+                                 q4_vnni_direct<4>, q4_vnni_direct<5>, q4_vnni_direct<6>,
+                                 q4_vnni_direct<7>, q4_vnni_direct<8>};
+// Q8_0: 8 rows hold 8 int and 8 float accumulators, beside the code and constant registers.
+constexpr TileFn kQ8Direct[8] = {q8_vnni_direct<1>, q8_vnni_direct<2>, q8_vnni_direct<3>,
+                                 q8_vnni_direct<4>, q8_vnni_direct<5>, q8_vnni_direct<6>,
+                                 q8_vnni_direct<7>, q8_vnni_direct<8>};
 
-void x8_gemm(const QArgs& a, const XQ8& xq) {
+void x8_gemm(const QArgs& a, const XQ8& xq, const TileFn* tiles) {
   // Threads split the column blocks; each walks its blocks, back to back in memory, in
   // order: one sequential stream of codes (and one of scales, one of offsets).
   at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb)
       for (int64_t m = 0; m < a.M; m += 8)
-        kQ4Direct[std::min<int64_t>(8, a.M - m) - 1](a, xq, m, nb);
+        tiles[std::min<int64_t>(8, a.M - m) - 1](a, xq, m, nb);
   });
 }
 #else
@@ -233,11 +288,35 @@ bool q4_x8_gemm(const QArgs& a) {
   std::unique_ptr<int8_t[]> q(new int8_t[a.M * a.K]);
   std::unique_ptr<float[]> s(new float[a.M * a.K / 32]);
   quantize_rows(a, q.get(), s.get());
-  x8_gemm(a, XQ8{q.get(), s.get()});
+#ifdef __AVX512VNNI__
+  x8_gemm(a, XQ8{q.get(), s.get(), nullptr}, kQ4Direct);
+#else
+  x8_gemm(a, XQ8{q.get(), s.get(), nullptr});
+#endif
+  return true;
+}
+
+#ifdef __AVX512VNNI__
+bool q8_x8_gemm(const QArgs& a) {
+  const int64_t n = a.M * a.K / 32;
+  std::unique_ptr<int8_t[]> q(new int8_t[a.M * a.K]);
+  std::unique_ptr<float[]> s(new float[n]);
+  std::unique_ptr<int32_t[]> sum(new int32_t[n]);
+  quantize_rows(a, q.get(), s.get());
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t t = 0;
+    for (int j = 0; j < 32; ++j) t += q[i * 32 + j];
+    sum[i] = t;
+  }
+  x8_gemm(a, XQ8{q.get(), s.get(), sum.get()}, kQ8Direct);
   return true;
 }
 #else
+bool q8_x8_gemm(const QArgs&) { return false; }  // maddubs would saturate on q + 128
+#endif
+#else
 bool q4_x8_gemm(const QArgs&) { return false; }
+bool q8_x8_gemm(const QArgs&) { return false; }
 #endif
 
 }  // namespace kiln_quant
