@@ -21,6 +21,7 @@ from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear_quant
 from kiln.quantization import resolve_quantization
 from kiln.quantization.gguf_weights import decode
+from kiln.quantization.plan import DIRECT, PANEL, layer_panel_from, panel_from_times
 from kiln.quantization.packing import (FP8, INT8, Q4, Q8, dequantize, int8_activations,
                                        pack_q4, pack_q8, quantize_fp8, quantize_int8,
                                        quantize_int8_groups, unpack_codes)
@@ -68,6 +69,24 @@ def test_kernel_matches_dequantize_then_matmul(n, k):
                     # fp32: summation order only; bf16: the output's rounding
                     assert err < (2e-6 if dtype == torch.float32 else 1e-2), \
                         (fmt, m, dtype, panel_from, err)
+
+
+def test_prefill_rows_keep_exact_activations_where_the_direct_kernel_quantizes_them():
+    """A tuning table that finds the direct kernel fastest at every row count gives
+    panel_from 0; on the VNNI classes Q4 and Q8_0 layers still take the panel (exact bf16
+    activations) from 64 rows, and the table's choice stands below that and elsewhere."""
+    times = {rows: {DIRECT: 1.0, PANEL: 2.0} for rows in (1, 8, 32, 128)}
+    assert panel_from_times(times) == 0
+    for isa in ("avx512_bf16", "amx"):
+        assert layer_panel_from(Q4, 0, isa) == layer_panel_from(Q8, 0, isa) == 64
+        assert layer_panel_from(Q4, 128, isa) == 64
+        assert layer_panel_from(Q8, 16, isa) == 16
+        assert layer_panel_from(INT8, 0, isa) == 0  # exact fp32 FMAs: nothing to keep
+    assert layer_panel_from(Q4, 0, "avx2") == 0  # AVX2's measured choice
+    assert layer_panel_from(Q4, None, "avx512_bf16") == 64
+    assert layer_panel_from(Q4, None, "amx") == layer_panel_from(INT8, None, "amx") == 8
+    times[128] = {DIRECT: 3.0, PANEL: 2.0}  # the panel wins at the top only
+    assert panel_from_times(times) == 128
 
 
 def test_int8_quantization_error_is_at_most_half_a_step():

@@ -13,7 +13,7 @@ from kiln.quantization.config import QuantizationConfig
 from kiln.quantization.methods import QuantizedLinearMethod, format_name, install
 from kiln.quantization.packing import (FORMAT_NAMES, Q4, Q8, QuantWeight, packable_shape,
                                        quantize_fp8, quantize_int8, quantize_int8_groups)
-from kiln.quantization.plan import default_panel_from, load_panel_plans
+from kiln.quantization.plan import layer_panel_from, load_panel_plans
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def apply_quantization(model: nn.Module, qc: QuantizationConfig,
     for name, w in weights.items():
         layer = linears[name]
         install(layer, w, method, release_float=owners[id(layer.weight)] == 1)
-        layer.panel_from = plans.get((FORMAT_NAMES[w.fmt], *w.shape), default_panel_from(w.fmt))
+        layer.panel_from = layer_panel_from(w.fmt, plans.get((FORMAT_NAMES[w.fmt], *w.shape)))
     for note in notes:
         logger.warning(note)
     kept = [n for n in linears if n not in weights]

@@ -3,7 +3,8 @@
 `kiln bench kernels --ops linear_quant` times the direct and panel kernels per (format,
 layer shape, row count) into the tuning table; a layer's `panel_from` is the row count
 from which the panel wins at every larger count measured (0: never). Without entries
-for a shape the per-ISA default applies (`default_panel_from`).
+for a shape the per-ISA default applies (`default_panel_from`). Either way, prefill-sized
+row counts keep exact bf16 activations on the VNNI classes (`layer_panel_from`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch
 DIRECT, PANEL = "kiln-quant-direct", "kiln-quant-panel"
 
 
-def default_panel_from(fmt: int) -> int:
+def _loaded_isa() -> str:
+    from kiln.ops import cpu_kernels
+
+    return cpu_kernels.isa_class() if cpu_kernels.loaded() else "none"
+
+
+def default_panel_from(fmt: int, isa: str | None = None) -> int:
     """Where the tuning table has no entry for a layer. Measured with SmolLM2's shapes
     and 2 threads, bf16 x, every layer's weight distinct (`benchmarks/quant_step.py
     --panel-from 0|1`, the weights streaming from DRAM as in a decode step):
@@ -32,15 +39,37 @@ def default_panel_from(fmt: int) -> int:
       rows, 1.2-2.1x at 32-128: 8.
     - plain AVX512 (Zen 4's FMAs): the fp32 panel did not beat the direct kernel at any
       row count: never."""
-    from kiln.ops import cpu_kernels
     from kiln.quantization.packing import INT8, Q4
 
-    isa = cpu_kernels.isa_class() if cpu_kernels.loaded() else "none"
+    isa = isa or _loaded_isa()
     if isa == "avx512_bf16":
         return 8 if fmt == INT8 else 64
     if isa == "amx" or (isa == "avx2" and fmt != Q4):
         return 8
     return 0
+
+
+# Prefill-sized row counts keep the panel's exact bf16 activations where the direct
+# kernel would quantize them to int8 (Q4 and Q8_0 on the VNNI classes): with int8
+# activations at every row count Q4_1's perplexity on `kiln bench quality` rose 3.0% over
+# bf16 (llama.cpp's: 1.4%), while on Zen 4 the two kernels tied at 64-128 rows with
+# streaming weights (the tuning table, timing one weight in cache, prefers the direct
+# kernel there by 1.1-1.4x). The table chooses below this row count only. AVX2 keeps its
+# measured choice (the int8-activation kernel at every row: 1.06-1.4x over its fp32 panel).
+EXACT_PREFILL_ROWS = 64
+
+
+def layer_panel_from(fmt: int, tuned: int | None, isa: str | None = None) -> int:
+    """A layer's panel row count: the table's (`tuned`, None without an entry) or the
+    ISA default, capped at EXACT_PREFILL_ROWS where the direct kernel quantizes x."""
+    from kiln.quantization.packing import Q4, Q8
+
+    isa = isa or _loaded_isa()
+    start = default_panel_from(fmt, isa) if tuned is None else tuned
+    if isa in ("amx", "avx512_bf16") and fmt in (Q4, Q8) and (
+            start == 0 or start > EXACT_PREFILL_ROWS):
+        return EXACT_PREFILL_ROWS
+    return start
 
 
 def panel_from_times(times: Mapping[int, Mapping[str, float]]) -> int:
