@@ -16,7 +16,7 @@ sys.path.insert(0, str(PEERS))
 
 import measure  # noqa: E402
 import run as peers_run  # noqa: E402
-from table import Row, format_table, to_json  # noqa: E402
+from table import Row, combine, format_rounds, format_table, to_json  # noqa: E402
 
 
 class FakeEngine:
@@ -63,6 +63,28 @@ def test_table_ratios_errors_and_busy_rows() -> None:
     data = json.loads(json.dumps(to_json(rows)))
     assert data[0]["kiln_ratio"] is None
     assert data[1]["kiln_ratio"] == {"batch1_decode": 1.5, "batchn": 1.2, "startup": 20.0}
+
+
+def test_rounds_combine_to_medians_and_show_each_rounds_ratio() -> None:
+    """`--rounds`: one row per engine with the median over rounds, the first error of an
+    engine that failed in any round, and per-round kiln/peer batch-1 ratios."""
+    def rnd(kiln_b1: float, peer_b1: float, peer_error: str | None = None) -> list[Row]:
+        return [Row("kiln", "auto", kiln_b1, 300.0, 5.0),
+                Row("llama.cpp", "q4_1", None if peer_error else peer_b1, 70.0, 0.5,
+                    error=peer_error),
+                Row("transformers", "float32", 20.0, 90.0, 6.0)]
+
+    rounds = [rnd(120.0, 80.0), rnd(160.0, 125.0), rnd(150.0, 100.0)]
+    kiln, peer, hf = combine(rounds)
+    assert (kiln.batch1_decode_tok_s, peer.batch1_decode_tok_s) == (150.0, 100.0)
+    assert kiln.batchn_tok_s == 300.0 and peer.startup_s == 0.5
+    assert len(kiln.raw["rounds"]) == 3
+    assert combine(rounds[:2])[0].batch1_decode_tok_s == 140.0  # even count: the mean of two
+    text = format_rounds(rounds)
+    assert "llama.cpp (q4_1): 80.0 (1.50x), 125.0 (1.28x), 100.0 (1.50x)" in text
+    assert "kiln (auto): 120.0, 160.0, 150.0" in text
+    failed = combine([rnd(120.0, 80.0), rnd(160.0, 0.0, "exit 1")])
+    assert failed[1].error == "exit 1" and failed[0].error is None
 
 
 def test_worker_process_result_is_parsed(tmp_path: Path,

@@ -2,11 +2,14 @@
 
     python benchmarks/peers/run.py [--peers vllm,transformers] [--dtype bfloat16] [--quick]
                                    [--json PATH] [--kiln-args "-O1"] [--venv-dir DIR]
+                                   [--rounds N]
 
 Run it with kiln's python (kiln importable). For each engine, in order kiln, vLLM CPU,
 transformers fp32, transformers bf16: one warm-up process (fills kiln's compile cache,
 vLLM's torch.compile cache and the page cache), then one measured process that reports
 start-up time, batch-1 decode tok/s and N-request throughput (protocol: measure.py).
+`--rounds N` measures every engine N times, round after round, and reports medians plus
+each round's batch-1 ratios.
 Peers are installed on first use in their own venvs outside the repository (install.py).
 An engine that fails to install or run becomes a row with its error.
 """
@@ -32,7 +35,7 @@ sys.path.insert(0, str(HERE))
 import install  # noqa: E402  (a sibling script, not a package)
 from busy import cpu_busy  # noqa: E402
 from measure import MARKER, Spec  # noqa: E402
-from table import Row, format_table, to_json  # noqa: E402
+from table import Row, combine, format_rounds, format_table, to_json  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,14 +160,14 @@ def python_for(run: EngineRun, args: argparse.Namespace, logs: Path) -> str:
 
 
 def measure_engine(run: EngineRun, spec: dict[str, Any], args: argparse.Namespace,
-                   logs: Path) -> Row:
-    name = f"{run.engine}-{run.dtype}"
+                   logs: Path, round_: int = 0) -> Row:
+    name = f"{run.engine}-{run.dtype}" + (f"-round{round_}" if round_ else "")
     try:
         python = python_for(run, args, logs)
     except RuntimeError as exc:
         return Row(engine=run.engine, dtype=run.dtype, error=f"install: {exc}")
     clean = run.peer_env is not None
-    if args.warmup:
+    if args.warmup and round_ == 0:  # later rounds find the caches warm
         t0 = time.monotonic()
         warm = run_process(python, run, {**spec, "startup_only": True},
                            logs / f"{name}-warmup.log", args.timeout, clean, args.threads)
@@ -199,6 +202,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--b1-input-len", type=int, default=32, help="batch-1 prompt length")
     ap.add_argument("--input-len", type=int, default=128, help="batch-N prompt length")
     ap.add_argument("--repeats", type=int, default=3, help="batch-1 repeats (median)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every engine this many times, round after round (one "
+                         "warm-up each, in the first), and report medians and each "
+                         "round's ratios: on a host whose speed drifts between engines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 8 new tokens, 4 requests, 1 repeat")
@@ -227,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"model {model}; logs in {logs}", flush=True)
     t0 = time.monotonic()
-    rows = [measure_engine(r, spec, args, logs) for r in plan(args)]
+    runs = plan(args)
+    rounds = [[measure_engine(r, spec, args, logs, i) for r in runs] for i in range(args.rounds)]
+    rows = combine(rounds)
     print(f"\nSmolLM2-135M-Instruct, greedy, {args.new_tokens} new tokens per request; "
           f"batch 1 (prompt {args.b1_input_len}) and {args.num_prompts} requests at once "
           f"(prompt {args.input_len}); {os.cpu_count()} CPUs; "
@@ -235,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     print("kiln/... columns: how many times kiln is better (tok/s: kiln/peer; start-up: "
           "peer/kiln)\n")
     print(format_table(rows, args.num_prompts, args.new_tokens))
+    if args.rounds > 1:
+        print(f"(medians of {args.rounds} rounds)\n" + format_rounds(rounds))
     if args.json:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         Path(args.json).write_text(json.dumps({"config": config, "model": str(model),

@@ -39,6 +39,50 @@ class Row:
                    facts=result.get("facts", {}), raw=result)
 
 
+def _median(values: list[float]) -> float | None:
+    v = sorted(values)
+    if not v:
+        return None
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def combine(rounds: list[list[Row]]) -> list[Row]:
+    """One row per engine configuration from `rounds` (each a list of rows in the same
+    order): the median of each number over the rounds that gave one; the first error of
+    an engine that failed in any round."""
+    out = []
+    for runs in zip(*rounds):
+        first = runs[0]
+        failed = next((r for r in runs if r.error), None)
+        if failed is not None:
+            out.append(failed)
+            continue
+        row = Row(engine=first.engine, dtype=first.dtype, facts=first.facts,
+                  raw={"rounds": [r.raw for r in runs]},
+                  cpu_busy_before=max((r.cpu_busy_before or 0) for r in runs))
+        for name in ("batch1_decode_tok_s", "batchn_tok_s", "startup_s"):
+            setattr(row, name, _median([getattr(r, name) for r in runs
+                                        if getattr(r, name) is not None]))
+        out.append(row)
+    return out
+
+
+def format_rounds(rounds: list[list[Row]]) -> str:
+    """Each engine's batch-1 tok/s per round and, for the peers, kiln (the first kiln row)
+    over it within the same round: engines of one round ran minutes apart, so these
+    ratios see less of a host that drifts than the medians do."""
+    lines = ["batch-1 decode tok/s per round (kiln / row, same round):"]
+    for i in range(len(rounds[0])):
+        cells = []
+        for rows in rounds:
+            kiln = next((r for r in rows if r.engine == "kiln" and not r.error), None)
+            r = rows[i]
+            q = ratios(kiln, r).get("batch1_decode") if kiln is not None and r is not kiln else None
+            cells.append(_num(r.batch1_decode_tok_s) + (f" ({q:.2f}x)" if q else ""))
+        lines.append(f"  {rounds[0][i].label}: " + ", ".join(cells))
+    return "\n".join(lines)
+
+
 def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
