@@ -9,8 +9,8 @@ weight bytes read per second, and each format's speed-up over bf16. Per-shape ke
 choices (`kiln bench kernels --ops linear_quant`) time one weight that stays in cache;
 this is the honest measure of a decode step's linear time. `--panel-from` forces the
 quantized layers' panel row count (0: always direct, 1: always panel); by default each
-format's per-ISA default (`plan.default_panel_from`), as the engine runs without table
-entries.
+layer's panel row count as the engine sets it without table entries
+(`plan.layer_panel_from`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from kiln.compiler import default_cache_root
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear, linear_quant, pack
 from kiln.quantization.packing import pack_q4, pack_q8, quantize_int8
-from kiln.quantization.plan import default_panel_from
+from kiln.quantization.plan import layer_panel_from
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -60,7 +60,7 @@ def step(fmt: str, ws: list, xs: dict, panel_from: int | None = None) -> None:
             linear(x, None, None, w)
         else:
             # by default the engine's: the panel kernel from this ISA's row count on
-            p = default_panel_from(w.fmt) if panel_from is None else panel_from
+            p = layer_panel_from(w.fmt, None) if panel_from is None else panel_from
             linear_quant(x, w.codes, w.scales, w.mins, None, w.fmt, p)
 
 

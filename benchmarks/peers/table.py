@@ -6,6 +6,7 @@ kiln / peer, for start-up time peer / kiln. So > 1 means kiln wins in every colu
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,13 +40,6 @@ class Row:
                    facts=result.get("facts", {}), raw=result)
 
 
-def _median(values: list[float]) -> float | None:
-    v = sorted(values)
-    if not v:
-        return None
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-
 def combine(rounds: list[list[Row]]) -> list[Row]:
     """One row per engine configuration from `rounds` (each a list of rows in the same
     order): the median of each number over the rounds that gave one; the first error of
@@ -61,8 +55,8 @@ def combine(rounds: list[list[Row]]) -> list[Row]:
                   raw={"rounds": [r.raw for r in runs]},
                   cpu_busy_before=max((r.cpu_busy_before or 0) for r in runs))
         for name in ("batch1_decode_tok_s", "batchn_tok_s", "startup_s"):
-            setattr(row, name, _median([getattr(r, name) for r in runs
-                                        if getattr(r, name) is not None]))
+            values = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+            setattr(row, name, statistics.median(values) if values else None)
         out.append(row)
     return out
 

@@ -28,10 +28,9 @@ def default_panel_from(fmt: int, isa: str | None = None) -> int:
     - AVX512-BF16 (Zen 4): Q4 and Q8_0 run the direct kernel over int8 activations
       (VNNI), which decodes each chunk once per 8 rows and beats the bf16 panel through
       32 rows (1.65x at 8, 1.2x at 32; a whole step's Q4_1 decode with 32 requests 1.29x)
-      and ties it at 64-128: 64, so decode batches take the faster kernel and prefill
-      keeps exact bf16 activations (with int8 ones there Q4_1's perplexity rose 3%,
-      llama.cpp's is 1.4% over bf16). INT8 (fp32 FMAs in the direct kernel): the bf16
-      panel from 8 rows.
+      and ties it at 64-128: never (`layer_panel_from` still keeps prefill-sized rows on
+      the panel, for their exact activations). INT8 (fp32 FMAs in the direct kernel): the
+      bf16 panel from 8 rows.
     - AMX: 8 for every format (the same two kernels, not measured on an AMX host).
     - AVX2 (Zen 3): Q4's direct kernel over int8 activations beats the fp32 panel at every
       row count (1.4x at 32 rows, 1.06-1.4x at 128): never. INT8 and Q8_0 still run fp32
@@ -43,7 +42,7 @@ def default_panel_from(fmt: int, isa: str | None = None) -> int:
 
     isa = isa or _loaded_isa()
     if isa == "avx512_bf16":
-        return 8 if fmt == INT8 else 64
+        return 8 if fmt == INT8 else 0
     if isa == "amx" or (isa == "avx2" and fmt != Q4):
         return 8
     return 0

@@ -47,14 +47,11 @@ class NgramDrafter:
     def _next_limit(self, s: CachedRequestState) -> int:
         limit = self._limit.get(s.req_id, self.k)
         start = self._proposed_at.get(s.req_id)
-        verified = s.spec_token_ids  # the drafts this step checked (as the scheduler cut them)
+        verified = len(s.spec_token_ids)  # drafts this step checked, as the scheduler cut them
         if verified and start is not None:
-            emitted = s.token_ids[start:]
-            accepted = 0
-            while (accepted < min(len(verified), len(emitted))
-                   and verified[accepted] == emitted[accepted]):
-                accepted += 1
-            limit = min(self.k, 2 * limit) if accepted == len(verified) else accepted + 1
+            # The step appended its accepted drafts and one more token (bonus or correction).
+            accepted = len(s.token_ids) - start - 1
+            limit = min(self.k, 2 * limit) if accepted >= verified else accepted + 1
         return limit
 
     def propose(self, rows: Sequence[StepRow], states: Sequence[CachedRequestState]
