@@ -10,13 +10,16 @@ still left None, so anything a user sets explicitly wins.
 | Inductor options (CUDA)  | -    | -         | -                  | max_autotune, coord. descent |
 | Inductor options (CPU)   | -    | -         | -                  | cpp_wrapper               |
 
-On a device without CUDA graphs the graph modes then lower to NONE (one info line), so
-on the CPU -O1 and -O2 build the same code and share compile-cache entries. -O3 on the
-CPU adds Inductor's `cpp_wrapper`: the compiled graph's glue (buffer allocation and the
-~270 kernel and extern-op calls of a SmolLM2 step) runs as C++ instead of Python. Measured
-on Zen 3 (AVX2, 2 threads, bf16; benchmarks/compile_levels.py): decode 1.26x -O2 at batch
-1 and 1.13x with 32 requests; its cold compile takes about 1.5x as long (162 s vs 110 s
-for SmolLM2), warm start-up is the same. Fusion passes:
+On a device without CUDA graphs the graph modes then lower to NONE (one info line), so on
+the CPU -O1 and -O2 build the same code and share compile-cache entries. At every
+compiling level a CPU host with at most two threads builds Inductor's fused kernels
+single-threaded (`compiler.setup.host_inductor_options`: not a level field, a host fact).
+-O3 on the CPU adds Inductor's `cpp_wrapper`: the compiled graph's glue (buffer allocation
+and the ~270 kernel and extern-op calls of a SmolLM2 step) runs as C++ instead of Python.
+Measured on Zen 3 (AVX2, 2 threads, bf16; benchmarks/compile_levels.py): decode 1.26x -O2
+at batch 1 and 1.13x with 32 requests; its cold compile takes about 1.5x as long (162 s vs
+110 s for SmolLM2), warm start-up is the same.
+Fusion passes:
 kiln has no custom FX passes yet; Inductor's own fusion runs at every compiling level.
 """
 from __future__ import annotations

@@ -115,3 +115,24 @@ def test_cli_rejects_unknown_levels(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "-O4"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("threads,serial", [(1, True), (2, True), (3, False)])
+def test_fused_kernels_run_single_threaded_on_small_cpu_hosts(threads, serial):
+    from kiln.compiler.adaptors import InductorAdaptor
+    from kiln.compiler.setup import host_inductor_options
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        options = host_inductor_options({"cpp_wrapper": True}, torch.device("cpu"))
+        explicit = host_inductor_options({"cpp.threads": 2}, torch.device("cpu"))
+        on_cuda = host_inductor_options({}, torch.device("cuda"))
+    finally:
+        torch.set_num_threads(before)
+    assert options == ({"cpp_wrapper": True, "cpp.threads": 1} if serial
+                       else {"cpp_wrapper": True})
+    assert explicit == {"cpp.threads": 2} and on_cuda == {}
+    # The choice changes the generated code, so it is part of the compile-cache key.
+    assert (InductorAdaptor(options).compute_hash()
+            != InductorAdaptor({"cpp_wrapper": True, "cpp.threads": -1}).compute_hash())

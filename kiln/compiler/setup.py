@@ -76,13 +76,33 @@ def device_description(device: torch.device) -> str:
     return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
 
 
+# Inductor parallelises a fused kernel over the token dimension when the trace's size hint
+# (16 tokens) gives each thread 512+ elements, and that choice holds for every token count
+# the range serves: a one-token decode step of SmolLM2 then forks and joins the OpenMP team
+# about 120 times for 576 elements each. On two threads the fused kernels (norms, RoPE,
+# SiLU, residual adds) gain nothing from the second thread even at a 1500-token prefill or
+# 32 decoding requests, and single-threaded ones make a batch-1 step 7% faster (measured
+# on Zen 4, docs/levels-and-cache.md). So up to this many threads they are built
+# single-threaded; kiln's linears and attention (extern ops) keep every thread. An explicit
+# `cpp.threads` in inductor_options wins.
+SERIAL_FUSED_KERNELS_MAX_THREADS = 2
+
+
+def host_inductor_options(options: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    if (device.type != "cpu" or "cpp.threads" in options
+            or torch.get_num_threads() > SERIAL_FUSED_KERNELS_MAX_THREADS):
+        return dict(options)
+    return {**options, "cpp.threads": 1}
+
+
 def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
                   device: torch.device, max_num_batched_tokens: int,
                   progress: bool = True, attention_backend: str = "torch",
                   quantization: dict[str, Any] | None = None,
                   lora: dict[str, Any] | None = None
                   ) -> tuple[TraceOnceModel, KilnBackend]:
-    adaptor = make_adaptor(cc.backend, cc.inductor_options)
+    adaptor = make_adaptor(cc.backend, host_inductor_options(cc.inductor_options or {},
+                                                             device))
     shapes = compile_shapes(cc, max_num_batched_tokens)
     cache = None
     if cc.use_cache:
