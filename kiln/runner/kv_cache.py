@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from kiln.attention.backend import AttentionLayerSpec
+from kiln.runner.huge_pages import huge_zeros
 from kiln.scheduler.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCacheGroupSpec,
                                           SlidingWindowSpec, describe_groups, group_layers,
                                           group_size)
@@ -47,7 +48,8 @@ def allocate_kv_cache(spec: AttentionSpec, num_slots: int, num_blocks: int,
     [2, num_blocks, block_size, num_kv_heads, head_size]. Zeroed: stale values in a fresh
     block must never reach attention (NaN * 0 is still NaN)."""
     shape = (num_slots, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-    buffer = torch.zeros(shape, dtype=spec.dtype, device=device)
+    buffer = (huge_zeros(shape, spec.dtype) if device.type == "cpu"
+              else torch.zeros(shape, dtype=spec.dtype, device=device))
     return buffer, list(buffer.unbind(0))
 
 

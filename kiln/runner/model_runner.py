@@ -31,6 +31,7 @@ from kiln.models import ModelConfig, build_model
 from kiln.moe.cpu_plan import load_moe_plans, pack_experts
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import pack_linears
+from kiln.runner.huge_pages import move_weights_to_huge_pages
 from kiln.ops.linear_plan import load_plans
 from kiln.quantization import QuantizationConfig
 from kiln.quantization.apply import apply_quantization
@@ -104,6 +105,8 @@ class ModelRunner:
                            "experts' weights stay %s", self.quantization.method, dtype)
         if dtype == torch.bfloat16 and device.type == "cpu":
             pack_cpu_weights(self.model, model_config, dtype, device)
+        if device.type == "cpu":  # after packing: the packed copies are what steps read
+            move_weights_to_huge_pages(self.model)
         layers = self.model.attention_layers()
         backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device,
                                      [layer.spec for layer in layers])

@@ -1,0 +1,84 @@
+"""CPU weights and KV cache on transparent huge pages (kiln/runner/huge_pages.py): the
+move keeps every value and every tensor object, skips storages it cannot move whole, and
+the kernel really backs the arena with 2 MiB pages where THP is on."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.runner import huge_pages
+from kiln.runner.huge_pages import HUGE_PAGE, huge_zeros, move_weights_to_huge_pages
+
+needs_thp = pytest.mark.skipif(not huge_pages.available(),
+                               reason=f"transparent huge pages are {huge_pages.thp_mode()}")
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1024, 512)  # 2 MiB fp32
+        self.head = nn.Linear(512, 1024, bias=False)
+        self.head.weight = self.embed.weight  # tied: one storage, moved once
+        self.proj = nn.Linear(512, 512)
+        self.small = nn.Linear(8, 8)  # under the size floor: stays
+        base = torch.randn(512, 256)
+        self.register_buffer("whole", base)
+        self.register_buffer("part", base[:128])  # views part of `whole`'s storage
+
+
+@needs_thp
+def test_weights_move_to_one_huge_page_arena_keeping_values_and_objects():
+    torch.manual_seed(0)
+    m = Tied()
+    before = {n: t.clone() for n, t in m.state_dict().items()}
+    objects = {n: t for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+    ptrs = {n: t.data_ptr() for n, t in objects.items()}
+    x = torch.randint(0, 1024, (4,))
+    expected = m.head(m.proj(m.embed(x)))
+
+    moved = move_weights_to_huge_pages(m)
+
+    assert moved >= (1024 * 512 + 512 * 512) * 4
+    for n, t in list(m.named_parameters()) + list(m.named_buffers()):
+        assert t is objects[n] and torch.equal(t, before[n]), n
+    assert m.head.weight is m.embed.weight
+    assert m.embed.weight.data_ptr() != ptrs["embed.weight"]
+    assert m.proj.weight.data_ptr() != ptrs["proj.weight"]
+    # Too small, or sharing a storage some tensor views only in part: not moved.
+    for name in ("small.weight", "whole", "part"):
+        assert objects[name].data_ptr() == ptrs[name], name
+    assert torch.equal(m.head(m.proj(m.embed(x))), expected)
+    # The arena starts on a huge-page boundary and the kernel backs it with huge pages.
+    start = m.embed.weight.data_ptr()
+    assert start % HUGE_PAGE == 0
+    assert anon_huge_kib(start) >= HUGE_PAGE // 1024
+
+
+@needs_thp
+def test_kv_cache_zeros_on_huge_pages():
+    t = huge_zeros((2, 3, 1 << 20), torch.bfloat16)
+    assert t.shape == (2, 3, 1 << 20) and t.dtype == torch.bfloat16 and not t.any()
+    assert t.data_ptr() % HUGE_PAGE == 0 and anon_huge_kib(t.data_ptr()) >= 2048
+
+
+def test_nothing_moves_without_transparent_huge_pages(monkeypatch):
+    monkeypatch.setattr(huge_pages, "available", lambda: False)
+    m = nn.Linear(512, 512)
+    ptr = m.weight.data_ptr()
+    assert move_weights_to_huge_pages(m) == 0 and m.weight.data_ptr() == ptr
+    assert not huge_zeros((4, 4), torch.float32).any()
