@@ -115,3 +115,40 @@ def test_attention_op_is_opaque_to_dynamo():
     with set_forward_context(ForwardContext(None, [], [])):
         fn(q, kv, kv)
     assert torch.ops.kiln.unified_attention.default in seen
+
+
+@pytest.mark.parametrize("heads,kv_heads,D,dtype", [(9, 3, 64, torch.bfloat16),
+                                                    (8, 2, 16, torch.float32),
+                                                    (6, 1, 32, torch.float32)])
+def test_verify_rows_equal_the_same_tokens_decoded_one_by_one(heads, kv_heads, D, dtype,
+                                                              cpu_kernels_loaded):
+    """The cpu backend attends a verify step's 1 + k tokens as one item per KV head (each
+    key and value row read once for all of them); every token's result must be bit for
+    bit what it gets as a lone decode row with its causal length."""
+    torch.manual_seed(0)
+    block_size, ctx, new = 16, 70, 5
+    spec = AttentionLayerSpec(heads, kv_heads, D, D ** -0.5)
+    backend = CpuPagedBackend(spec)
+    cache = torch.randn(2, 12, block_size, kv_heads, D).to(dtype)
+    table = torch.randperm(11, dtype=torch.int32)[None, :8] + 1
+    q = torch.randn(new, heads * D).to(dtype)
+    k, v = (torch.randn(new, kv_heads * D).to(dtype) for _ in range(2))
+    slots = [int(table[0, p // block_size]) * block_size + p % block_size
+             for p in range(ctx, ctx + new)]
+
+    def run(qsl: list[int], lens: list[int], rows: torch.Tensor) -> torch.Tensor:
+        md = AttentionMetadata(
+            num_actual_tokens=new, num_reqs=len(lens),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=rows,
+            slot_mapping=torch.tensor(slots), query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])), max_seq_len=max(lens),
+            block_size=block_size)
+        out = torch.full_like(q, float("nan"))
+        backend.forward(q, k, v, cache, md, out)
+        return out
+
+    together = run([0, new], [ctx + new], table)
+    alone = run(list(range(new + 1)), [ctx + 1 + j for j in range(new)], table.repeat(new, 1))
+    assert not together.isnan().any()
+    assert torch.equal(together, alone)

@@ -12,8 +12,10 @@ Single-token rows use the in-place paged decode kernel; rows of a prefill chunk 
 over their gathered blocks, as the torch backend does. A short multi-token row (draft
 verification under speculative decoding: 1 + k tokens after a long context) is split into
 one decode row per token, with causal lengths: gathering the whole context for SDPA cost
-more than the attention itself there. The kernel writes every token's K/V before any row
-attends, so token j sees tokens 0..j of its own step.
+more than the attention itself there. The split rows stay one run in `decode_reqs`, so
+the kernel reads each key and value row once for all of them (per KV head), each token's
+result bit for bit what it would be alone. The kernel writes every token's K/V before any
+row attends, so token j sees tokens 0..j of its own step.
 """
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ SPLIT_MAX_QUERY = 16
 
 @dataclass(slots=True)
 class CpuPagedMetadata(AttentionMetadata):
-    decode_reqs: torch.Tensor | None = None  # [R] int64, single-token requests
+    # [R, 2] int64 (first entry, rows): runs of consecutive entries that are one request's
+    # consecutive query tokens (a split verify row; rows = 1 for a decode row). The kernel
+    # reads each key and value row once per run and KV head, not once per token.
+    decode_reqs: torch.Tensor | None = None
     prefill_reqs: torch.Tensor | None = None  # [P] int64, the others
 
     def activate(self, groups: Sequence[AttentionMetadata], kv_caches: Sequence[torch.Tensor],
@@ -48,6 +53,10 @@ class CpuPagedMetadata(AttentionMetadata):
 
     def deactivate(self) -> None:
         torch.ops.kiln_cpu.clear_batch()
+
+
+def _runs(runs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(runs, dtype=torch.int64).view(-1, 2)
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -77,7 +86,7 @@ class CpuPagedBackend(AttentionBackend):
         for i in range(common.num_reqs):
             q = qsl[i + 1] - qsl[i]
             if q == 1:
-                decode.append(i)
+                decode.append((i, 1))
             elif q <= SPLIT_MAX_QUERY and lens[i] >= 2 * q:
                 split = True
                 break
@@ -86,7 +95,7 @@ class CpuPagedBackend(AttentionBackend):
         base = {f.name: getattr(common, f.name) for f in fields(AttentionMetadata)}
         if split:
             return cls._split_rows(common, base)
-        return CpuPagedMetadata(**base, decode_reqs=torch.tensor(decode, dtype=torch.int64),
+        return CpuPagedMetadata(**base, decode_reqs=_runs(decode),
                                 prefill_reqs=torch.tensor(prefill, dtype=torch.int64))
 
     @staticmethod
@@ -98,8 +107,8 @@ class CpuPagedBackend(AttentionBackend):
         for i in range(common.num_reqs):
             q = qsl[i + 1] - qsl[i]
             if q == 1 or (q <= SPLIT_MAX_QUERY and lens[i] >= 2 * q):
+                decode.append((len(starts), q))
                 for j in range(q):
-                    decode.append(len(starts))
                     starts.append(qsl[i] + j)
                     seq_lens.append(lens[i] - q + 1 + j)
                     table_rows.append(i)
@@ -115,7 +124,7 @@ class CpuPagedBackend(AttentionBackend):
                     block_table=common.block_table[torch.tensor(table_rows)],
                     query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, max_query_len=1
                     if not prefill else common.max_query_len)
-        return CpuPagedMetadata(**base, decode_reqs=torch.tensor(decode, dtype=torch.int64),
+        return CpuPagedMetadata(**base, decode_reqs=_runs(decode),
                                 prefill_reqs=torch.tensor(prefill, dtype=torch.int64))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -114,28 +115,48 @@ void pv_all(const float* s, int64_t padded, int64_t n_rows, const T* const* rows
   pv_tail<T, RT - 1, CH>(n_rows - g, s + g * padded, padded, rows, to_value, len, outs + g);
 }
 
-// One (request, KV head): the `group` query heads sharing that KV head, in two passes
-// over the context (scores from K sixteen keys at a time, then the softmax-weighted sum
-// of V). A verify step's 1 + k tokens arrive here as separate decode rows (the backend's
-// metadata splits them, each with its causal length).
+// Where one decode item's query vectors are and how far each sees: `rows` consecutive
+// query tokens of one request (a verify step's 1 + k tokens; 1 for a plain decode row)
+// times the `group` query heads of one KV head. Token r sees keys first .. total - rows + r
+// (total: the last token's length), so vector v = r * group + g has len - (rows - 1 - r)
+// keys. Sharing the item across the tokens reads each key and value row once for all of
+// them, where one item per token read the context rows + 1 times.
+struct Run {
+  const void* q;    // token 0's query rows
+  void* out;        // token 0's output rows
+  int64_t q_token_stride, out_token_stride, q_head_stride;
+  int64_t rows;
+};
+
+// One (run, KV head), in two passes over the context (scores from K sixteen keys at a
+// time, then the softmax-weighted sum of V). Each vector's arithmetic is the same as it
+// would be alone: its keys in the same lanes and order, the keys past its own length
+// masked out of the softmax and weighted by an exact zero in the V pass.
 // CH: the head size in 16-lane chunks when known at compile time (1, 2, 4, 8), 0 for
 // any other multiple of 16. A runtime chunk count left the score loop's 16 accumulators
 // in memory with a branch per chunk: the whole op took 1.3x as long for a decode row
 // over 300 keys, 1.5x for 5 verify rows (Zen 4, bf16, heads of 64).
 template <typename T, int CH>
-void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blocks,
+void attend_run(const Run& run, const T* kc, const T* vc, const int32_t* blocks,
                 int64_t first, int64_t total, int64_t block_size, int64_t kv_heads,
-                int64_t head, int64_t group, int64_t D, int64_t q_head_stride, float scale,
-                float softcap, std::vector<float>& scores, std::vector<const T*>& rows) {
-  // Keys first .. total - 1 (the window's, or all).
-  const int64_t len = total - first;
+                int64_t head, int64_t group, int64_t D, float scale, float softcap,
+                std::vector<float>& scores, std::vector<const T*>& rows) {
+  // Keys first .. total - 1 (the window's, or all): the last token's.
+  const int64_t len = total - first, nv = run.rows * group;
   const int64_t chunks = CH > 0 ? CH : D / 16, padded = (len + 15) / 16 * 16;
+  const T* qp = static_cast<const T*>(run.q);
+  T* outs[kMaxGroup];
+  int64_t lens[kMaxGroup];
   V16 qv[kMaxGroup][kMaxChunks];
-  for (int64_t g = 0; g < group; ++g)
+  for (int64_t v = 0; v < nv; ++v) {
+    const int64_t r = v / group, h = head * group + v % group;
+    lens[v] = len - (run.rows - 1 - r);
+    outs[v] = static_cast<T*>(run.out) + r * run.out_token_stride + h * run.q_head_stride;
     for (int64_t c = 0; c < chunks; ++c)
-      qv[g][c] = isa::mul(load16(q + (head * group + g) * q_head_stride + c * 16),
+      qv[v][c] = isa::mul(load16(qp + r * run.q_token_stride + h * run.q_head_stride + c * 16),
                           isa::set1(scale));
-  scores.resize(group * padded);
+  }
+  scores.resize(nv * padded);
   // Row addresses once, block by block (no per-key division); V rows sit at the same
   // offsets in the value cache.
   rows.resize(len);
@@ -173,7 +194,7 @@ void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blo
         keys[i] = kf + i * D;
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < nv; ++g) {
       V16 acc[16];  // in reduce16's order, so that lane i of the sums is key j0 + i
       for (int i = 0; i < 16; ++i) {
         const float* k = keys[isa::kReduceOrder[i]];
@@ -185,60 +206,77 @@ void attend_one(const T* q, T* out, const T* kc, const T* vc, const int32_t* blo
     }
   }
   if (softcap > 0.f) {  // the scale is already in q
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t j = 0; j < len; ++j) {
+    for (int64_t g = 0; g < nv; ++g)
+      for (int64_t j = 0; j < lens[g]; ++j) {
         float& x = scores[g * padded + j];
         x = softcap * std::tanh(x / softcap);
       }
   }
-  const isa::Mask16 all = isa::first_lanes(16);
-  const isa::Mask16 tail = isa::first_lanes(len % 16 ? len % 16 : 16);
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < nv; ++g) {
     float* s = scores.data() + g * padded;
+    const int64_t n = lens[g];
+    auto live = [n](int64_t j) { return isa::first_lanes(std::max<int64_t>(0, n - j)); };
     V16 mx = isa::set1(-INFINITY);
-    for (int64_t j = 0; j < padded; j += 16)
-      mx = isa::max_masked(mx, j + 16 <= len ? all : tail, isa::loadu(s + j));
+    for (int64_t j = 0; j < padded; j += 16) mx = isa::max_masked(mx, live(j), isa::loadu(s + j));
     const V16 m = isa::set1(isa::reduce_max(mx));
     V16 sum = isa::zero();
     for (int64_t j = 0; j < padded; j += 16) {
-      const isa::Mask16 live = j + 16 <= len ? all : tail;
-      const V16 e = isa::zero_unmasked(live, exp_nonpositive(isa::sub(isa::loadu(s + j), m)));
+      const V16 e = isa::zero_unmasked(live(j), exp_nonpositive(isa::sub(isa::loadu(s + j), m)));
       sum = isa::add(sum, e);
       isa::storeu(s + j, e);
     }
     const V16 inv = isa::set1(1.f / isa::reduce_add(sum));
     for (int64_t j = 0; j < padded; j += 16) isa::storeu(s + j, isa::mul(isa::loadu(s + j), inv));
   }
-  T* outs[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) outs[g] = out + (head * group + g) * q_head_stride;
   if constexpr (CH > 0) {
-    return pv_all<T, CH>(scores.data(), padded, group, rows.data(), to_value, len, outs);
+    return pv_all<T, CH>(scores.data(), padded, nv, rows.data(), to_value, len, outs);
   }
   V16 acc[kMaxGroup][kMaxChunks];  // other head sizes: runtime loops (accumulators in memory)
-  for (int64_t g = 0; g < group; ++g)
+  for (int64_t g = 0; g < nv; ++g)
     for (int64_t c = 0; c < chunks; ++c) acc[g][c] = isa::zero();
   for (int64_t j = 0; j < len; ++j) {
     if (j + 8 < len) prefetch_row(rows[j + 8] + to_value);
     const T* v = rows[j] + to_value;
     for (int64_t c = 0; c < chunks; ++c) {
       const V16 vv = load16(v + c * 16);
-      for (int64_t g = 0; g < group; ++g)
+      for (int64_t g = 0; g < nv; ++g)
         acc[g][c] = isa::fmadd(isa::set1(scores[g * padded + j]), vv, acc[g][c]);
     }
   }
-  for (int64_t g = 0; g < group; ++g)
+  for (int64_t g = 0; g < nv; ++g)
     for (int64_t c = 0; c < chunks; ++c) store16(outs[g] + c * 16, acc[g][c]);
 }
 
+// Decode items: `reqs` is [R, 2], (first entry, rows) per run of consecutive entries that
+// are consecutive query tokens of one request, each one longer than the last (the
+// backend's split of a verify step; rows = 1 for a plain decode row). A run is cut into
+// pieces of at most kMaxGroup / group tokens (the query vectors one item holds), and
+// with a sliding window into single tokens (each token's window starts elsewhere).
 template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_table,
                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                  const at::Tensor& reqs, double scale, int64_t window, double softcap) {
-  const int64_t R = reqs.size(0), heads = q.size(1), D = q.size(2);
+  TORCH_CHECK(reqs.dim() == 2 && reqs.size(1) == 2 && reqs.is_contiguous(),
+              "unified_attention: decode_reqs must be [R, 2] (first entry, rows)");
+  const int64_t heads = q.size(1), D = q.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads;
+  const int64_t runs = reqs.size(0);
   const auto* req = reqs.data_ptr<int64_t>();
+  // Pieces per run: enough for two items per thread where there are few runs (a lone
+  // verify step has only kv_heads items: 3 on 2 threads left one thread twice the work;
+  // 5 rows over 300-1000 keys, SmolLM2's heads, Zen 4: one piece 39.6 / 157 us per layer,
+  // two pieces 37.4 / 145, one piece per token 41.6 / 172).
+  const int64_t split = std::max<int64_t>(
+      1, (2 * at::get_num_threads() + runs * kv_heads - 1) / std::max<int64_t>(1, runs * kv_heads));
+  const int64_t cap = window > 0 ? 1 : std::max<int64_t>(1, kMaxGroup / group);
+  std::vector<std::pair<int64_t, int64_t>> pieces;  // (first entry, rows)
+  for (int64_t i = 0; i < runs; ++i) {
+    const int64_t n = req[2 * i + 1];
+    const int64_t size = std::min(cap, std::max<int64_t>(1, (n + split - 1) / split));
+    for (int64_t r = 0; r < n; r += size) pieces.emplace_back(req[2 * i] + r, std::min(size, n - r));
+  }
   const auto* lens = seq_lens.data_ptr<int32_t>();
   const auto* qsl = query_start_loc.data_ptr<int32_t>();
   const auto* table = block_table.data_ptr<int32_t>();
@@ -247,24 +285,26 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
   T* op = out.data_ptr<T>();
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
-  auto* attend = attend_one<T, 0>;  // the head size's unrolled build, where there is one
+  auto* attend = attend_run<T, 0>;  // the head size's unrolled build, where there is one
   switch (D / 16) {
-    case 1: attend = attend_one<T, 1>; break;
-    case 2: attend = attend_one<T, 2>; break;
-    case 4: attend = attend_one<T, 4>; break;
-    case 8: attend = attend_one<T, 8>; break;
+    case 1: attend = attend_run<T, 1>; break;
+    case 2: attend = attend_run<T, 2>; break;
+    case 4: attend = attend_run<T, 4>; break;
+    case 8: attend = attend_run<T, 8>; break;
     default: break;
   }
-  at::parallel_for(0, R * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t n_items = static_cast<int64_t>(pieces.size()) * kv_heads;
+  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const T*> rows;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = req[item / kv_heads], head = item % kv_heads;
-      const int64_t tok = qsl[r];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
-      attend(qp + tok * q.stride(0), op + tok * out.stride(0), kc, vc,
-             table + r * table_stride, first, lens[r], block_size, kv_heads, head, group, D,
-             q.stride(1), static_cast<float>(scale), static_cast<float>(softcap), scores,
+      const auto [e, n] = pieces[item / kv_heads];
+      const int64_t head = item % kv_heads, last = e + n - 1, tok = qsl[e];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[last] - window) : 0;
+      const Run run{qp + tok * q.stride(0), op + tok * out.stride(0), q.stride(0),
+                    out.stride(0), q.stride(1), n};
+      attend(run, kc, vc, table + e * table_stride, first, lens[last], block_size, kv_heads,
+             head, group, D, static_cast<float>(scale), static_cast<float>(softcap), scores,
              rows);
     }
   });
