@@ -14,9 +14,9 @@
 //
 // Layouts: key/value cache [blocks, block_size, kv_heads, head_size], contiguous; q/out
 // [tokens, heads, head_size]; block_table [reqs, max_blocks], seq_lens and
-// query_start_loc int32; decode_reqs/prefill_reqs int64. Decode rows run in fp32 in the
-// kernel below; prefill rows gather their blocks and call SDPA with a bottom-right
-// causal mask, exactly as the torch backend does.
+// query_start_loc int32; decode_reqs int64 [R, 2] (runs, see decode_impl), prefill_reqs
+// int64 [P]. Decode rows run in fp32 in the kernel below; prefill rows gather their
+// blocks and call SDPA with a bottom-right causal mask, exactly as the torch backend does.
 //
 // Per layer the batch also carries its KV-cache group (each group has its own block
 // table and slot mapping: the hybrid cache of sliding-window models), its sliding window
