@@ -81,8 +81,8 @@ def device_description(device: torch.device) -> str:
 # the range serves: a one-token decode step of SmolLM2 then forks and joins the OpenMP team
 # about 120 times for 576 elements each. On two threads the fused kernels (norms, RoPE,
 # SiLU, residual adds) gain nothing from the second thread even at a 1500-token prefill or
-# 32 decoding requests, and single-threaded ones make a batch-1 step 7% faster (measured
-# on Zen 4, docs/levels-and-cache.md). So up to this many threads they are built
+# 32 decoding requests, and single-threaded ones make a batch-1 step 7-13% faster (Zen 4,
+# in one process; docs/levels-and-cache.md). So up to this many threads they are built
 # single-threaded; kiln's linears and attention (extern ops) keep every thread. An explicit
 # `cpp.threads` in inductor_options wins.
 SERIAL_FUSED_KERNELS_MAX_THREADS = 2
