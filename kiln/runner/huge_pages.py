@@ -6,17 +6,17 @@ prefetchers cannot run ahead of; on 2 MiB pages one entry covers a whole weight.
 on Zen 4 (class avx512_bf16, 2 threads, `benchmarks/quant_step.py`-like 30 layers of Q4
 weights, interleaved in one process): 3.54 -> 3.00 ms per step's linears.
 
-Linux grants huge pages to anonymous memory when
+Linux grants huge pages to private anonymous memory when
 /sys/kernel/mm/transparent_hugepage/enabled is `always`, or `madvise` and the range was
 advised (`MADV_HUGEPAGE`) before its first touch. So the weights are copied once, after
-loading and packing, into one advised arena, and each tensor is re-pointed at its copy in
-place (`Tensor.set_`): every holder of the tensor object (modules, the compiled graph's
+loading and packing, into one advised arena (a mapping of its own), and each tensor is
+re-pointed at its copy in place (`Tensor.set_`): every holder of the tensor object (modules, the compiled graph's
 input recipe) sees the new memory. Elsewhere (other kernels, THP `never`) nothing moves.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
+import mmap
 import sys
 from collections import defaultdict
 from functools import lru_cache
@@ -27,7 +27,6 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 _ALIGN = 64  # each tensor's copy starts on a cache line
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -50,23 +49,20 @@ def available() -> bool:
     return thp_mode() in ("always", "madvise")
 
 
-def _madvise(address: int, length: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
-
-
 def huge_empty(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor of `nbytes` starting on a 2 MiB boundary, its
-    whole 2 MiB pages advised for huge pages before anything touches them. The slice keeps
-    the over-allocated base alive."""
-    base = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -base.data_ptr() % HUGE_PAGE
-    out = base[start:start + nbytes]
+    whole 2 MiB pages advised for huge pages before anything touches them. The memory is
+    a fresh private anonymous mapping of its own: memory from malloc may be pages already
+    touched (glibc serves blocks below its adaptive mmap threshold, up to 32 MiB, from
+    its heap), which the kernel does not back with huge pages at fault time. The tensor
+    keeps the mapping alive; the slice keeps the over-allocated base alive."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    base = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -base.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page: madvise wants one
     whole = nbytes // HUGE_PAGE * HUGE_PAGE
     if whole and available():
-        _madvise(out.data_ptr(), whole)
-    return out
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, whole)
+    return base[start:start + nbytes]
 
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
