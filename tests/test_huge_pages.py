@@ -39,6 +39,9 @@ class Tied(nn.Module):
         base = torch.randn(512, 256)
         self.register_buffer("whole", base)
         self.register_buffer("part", base[:128])  # views part of `whole`'s storage
+        big = torch.randn(512, 256)
+        self.register_buffer("big", big)
+        self.register_buffer("tiny_view", big[0, :4])  # small, yet it pins `big` in place
 
 
 @needs_thp
@@ -67,7 +70,7 @@ def test_weights_move_to_one_huge_page_arena_keeping_values_and_objects():
     assert m.embed.weight.data_ptr() != ptrs["embed.weight"]
     assert m.proj.weight.data_ptr() != ptrs["proj.weight"]
     # Too small, or sharing a storage some tensor views only in part: not moved.
-    for name in ("small.weight", "whole", "part"):
+    for name in ("small.weight", "whole", "part", "big", "tiny_view"):
         assert objects[name].data_ptr() == ptrs[name], name
     assert torch.equal(m.head(m.proj(m.embed(x))), expected)
     # The arena starts on a huge-page boundary and the kernel backs it with huge pages.

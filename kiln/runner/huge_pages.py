@@ -79,19 +79,20 @@ def _whole_storage(t: torch.Tensor) -> bool:
 
 
 def _movable(model: nn.Module, min_bytes: int) -> list[list[torch.Tensor]]:
-    """CPU parameters and buffers of at least `min_bytes`, grouped by storage; a storage
-    some tensor only views part of is left where it is (moving it would strand the
-    views no module names)."""
+    """The CPU parameters and buffers grouped by storage, for storages of at least
+    `min_bytes`; a storage that some module tensor, of any size, views only in part is
+    left where it is (moving it would strand that view)."""
     groups: dict[int, list[torch.Tensor]] = defaultdict(list)
     seen: set[int] = set()
     tensors = [t for _, t in model.named_parameters(remove_duplicate=False)]
     tensors += [t for _, t in model.named_buffers(remove_duplicate=False) if t is not None]
     for t in tensors:
-        if t.device.type != "cpu" or id(t) in seen or t.numel() * t.element_size() < min_bytes:
+        if t.device.type != "cpu" or id(t) in seen:
             continue
         seen.add(id(t))
         groups[t.untyped_storage().data_ptr()].append(t)
-    return [g for g in groups.values() if all(_whole_storage(t) for t in g)]
+    return [g for g in groups.values()
+            if g[0].untyped_storage().nbytes() >= min_bytes and all(map(_whole_storage, g))]
 
 
 @torch.no_grad()
