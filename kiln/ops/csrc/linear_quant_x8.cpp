@@ -130,16 +130,19 @@ void q8_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
 
 // x (fp32, a.xf) to int8 per row and chunk: s = max|x| / 127, q = round(x / s); an
 // all-zero chunk gets s = 0 and codes 0.
-void quantize_rows(const QArgs& a, int8_t* q, float* s) {
+// With `sum` (the Q8 kernel's correction) also each chunk's sum of codes: |x / s| <= 127,
+// so the int32 values are the codes themselves (the narrowing never saturates).
+void quantize_rows(const QArgs& a, int8_t* q, float* s, int32_t* sum = nullptr) {
   for (int64_t i = 0; i < a.M * a.K / 32; ++i) {
     const V16 x0 = kiln_isa::loadu(a.xf + i * 32), x1 = kiln_isa::loadu(a.xf + i * 32 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
     s[i] = amax / 127.f;
     const V16 inv = kiln_isa::set1(amax > 0.f ? 127.f / amax : 0.f);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x0, inv))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32 + 16),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x1, inv))));
+    const __m512i r0 = _mm512_cvtps_epi32(kiln_isa::mul(x0, inv));
+    const __m512i r1 = _mm512_cvtps_epi32(kiln_isa::mul(x1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32), _mm512_cvtsepi32_epi8(r0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32 + 16), _mm512_cvtsepi32_epi8(r1));
+    if (sum != nullptr) sum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
   }
 }
 
@@ -302,12 +305,7 @@ bool q8_x8_gemm(const QArgs& a) {
   std::unique_ptr<int8_t[]> q(new int8_t[a.M * a.K]);
   std::unique_ptr<float[]> s(new float[n]);
   std::unique_ptr<int32_t[]> sum(new int32_t[n]);
-  quantize_rows(a, q.get(), s.get());
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t t = 0;
-    for (int j = 0; j < 32; ++j) t += q[i * 32 + j];
-    sum[i] = t;
-  }
+  quantize_rows(a, q.get(), s.get(), sum.get());
   x8_gemm(a, XQ8{q.get(), s.get(), sum.get()}, kQ8Direct);
   return true;
 }
