@@ -2,7 +2,7 @@
 distinct (so they stream from DRAM, not cache), kiln's CPU kernels per weight format.
 
     .venv/bin/python benchmarks/quant_step.py [--rows 1 2 4 8] [--layers 30]
-        [--formats bf16 q4 q8 int8] [--panel-from N]
+        [--formats bf16 q4 q8 int8] [--panel-from N] [--no-huge-pages]
 
 Shapes are SmolLM2-135M's (fused qkv, o, fused gate|up, down). Prints ms per step, the
 weight bytes read per second, and each format's speed-up over bf16. Per-shape kernel
@@ -10,7 +10,9 @@ choices (`kiln bench kernels --ops linear_quant`) time one weight that stays in 
 this is the honest measure of a decode step's linear time. `--panel-from` forces the
 quantized layers' panel row count (0: always direct, 1: always panel); by default each
 layer's panel row count as the engine sets it without table entries
-(`plan.layer_panel_from`).
+(`plan.layer_panel_from`). The weights sit on transparent huge pages where the host
+grants them, as the engine's do (`kiln.runner.huge_pages`); `--no-huge-pages` keeps
+them in malloc'd memory (4 KiB pages: Q4, 30 layers, 1 row, Zen 4 read 3.5 vs 3.0 ms).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear, linear_quant, pack
 from kiln.quantization.packing import pack_q4, pack_q8, quantize_int8
 from kiln.quantization.plan import layer_panel_from
+from kiln.runner.huge_pages import move_weights_to_huge_pages
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -45,6 +48,16 @@ def weights(fmt: str, layers: int, g: torch.Generator) -> list:
             else:
                 out.append(quantize_int8(w))
     return out
+
+
+def to_huge_pages(ws: list) -> None:
+    """Move the weights' tensors onto huge pages in place, as the runner moves a model's."""
+    holder = torch.nn.Module()
+    tensors = [t for w in ws for t in ((w,) if isinstance(w, torch.Tensor)
+                                       else (w.codes, w.scales, w.mins)) if t is not None]
+    for i, t in enumerate(tensors):
+        holder.register_buffer(f"t{i}", t)
+    move_weights_to_huge_pages(holder)
 
 
 def nbytes(w) -> int:
@@ -76,12 +89,16 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["bf16", "q4", "q8", "int8"])
     ap.add_argument("--samples", type=int, default=7)
     ap.add_argument("--panel-from", type=int, default=None)
+    ap.add_argument("--no-huge-pages", action="store_true")
     args = ap.parse_args()
     if not cpu_kernels.ensure_loaded(default_cache_root()):
         raise SystemExit(f"kiln's CPU kernels are unavailable: "
                          f"{cpu_kernels.unavailable_reason()}")
     g = torch.Generator().manual_seed(0)
     sets = {f: weights(f, args.layers, g) for f in args.formats}
+    if not args.no_huge_pages:
+        for ws in sets.values():
+            to_huge_pages(ws)
     print(f"ISA class {cpu_kernels.isa_class()}, {torch.get_num_threads()} threads, "
           f"{args.layers} layers, min of {args.samples} interleaved samples")
     print(f"{'rows':>4} " + " ".join(f"{f + ' ms':>9} {'GB/s':>6}" for f in args.formats)
