@@ -255,7 +255,7 @@ def test_bad_speculative_config_names_the_field(value, field):
 def test_config_defaults_and_json():
     cfg = parse_speculative_config(json.dumps({"method": "ngram",
                                                "num_speculative_tokens": 3}))
-    assert cfg == SpeculativeConfig("ngram", 3, 3, 5)
+    assert cfg == SpeculativeConfig("ngram", 3, 2, 5)
     assert SpeculativeConfig("ngram", 2, prompt_lookup_max=2).prompt_lookup_min == 2
 
 
