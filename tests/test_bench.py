@@ -334,6 +334,9 @@ def test_spec_decode_speedup_and_acceptance(tmp_path, smollm2_dir, capsys):
               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
     assert r["mode"] == "spec" and r["identical"] is True
     assert set(r["speedup"]) == {"grounded", "chat"} and all(v > 0 for v in r["speedup"].values())
+    for w, (lo, hi) in r["speedup_range"].items():  # one repeat: the ratio of its two runs
+        runs = r["runs"][w]
+        assert lo == hi == r["speedup"][w] == runs["spec"][0] / runs["base"][0]
     # A random model rarely repeats its prompt: the numbers are the harness's, not a bar.
     assert len(r["acceptance"]["grounded"]["per_position_acceptance"]) == 3
     assert all(len(c) == 1 for w in r["runs"].values() for c in w.values())

@@ -7,6 +7,7 @@ mode's module docstring) and PNG charts into `--plot DIR` (kv, pd, moe and hybri
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -204,9 +205,9 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
         result = run_structured(make_llm(args), args.num_prompts, args.output_len,
                                 args.repeats)
     elif mode == "spec":
-        from kiln.bench.spec import format_spec as fmt, plot_spec as plot, run_spec
+        from kiln.bench.spec import DEFAULT_SPEC, format_spec as fmt, plot_spec as plot, run_spec
 
-        spec = args.speculative_config or '{"method": "ngram", "num_speculative_tokens": 4}'
+        spec = args.speculative_config or json.dumps(DEFAULT_SPEC)
 
         def make_spec(on: bool) -> Any:
             return make_llm(argparse.Namespace(

@@ -1,18 +1,21 @@
 """`kiln bench spec`: speculative decoding vs none at batch 1, side by side.
 
 Two engines of the same model in one process: `base` (no speculation) and `spec` (the
-`--speculative-config`, by default n-gram lookup with k = 4). Two workloads, each prompt
-run alone (batch 1) and greedy:
+`--speculative-config`, by default DEFAULT_SPEC: n-gram lookup, k = 6, lookup 2..5).
+Two workloads, each prompt run alone (batch 1) and greedy:
   grounded  repeat or lightly edit a given text or code (the output copies its input:
             what prompt lookup is for); the texts are public domain or written here
   chat      free-form questions (the output rarely repeats: speculation should cost
             little there)
 The cases are interleaved `--repeats` times after one warm-up round. Throughput is output
 tokens over the requests' wall time (prefill included, the same for both). `speedup` is
-spec over base per workload; acceptance statistics are those of the spec engine's steps
-in that workload. Greedy outputs must be identical (`identical`).
+spec over base per workload: the median over repeats of each repeat's ratio (the two
+engines run back to back, so the host's drift cancels), with its range. Acceptance
+statistics are those of the spec engine's steps in that workload. Greedy outputs must be
+identical (`identical`).
 JSON: mode "spec", environment, config, runs {workload: {case: [tok/s per repeat]}},
-median_tok_s, speedup, acceptance {workload: SpecDecodingStats.as_dict()}, identical.
+median_tok_s, speedup, speedup_range {workload: [min, max]}, acceptance {workload:
+SpecDecodingStats.as_dict()}, identical.
 """
 from __future__ import annotations
 
@@ -57,6 +60,11 @@ CHAT = [
     "Write a friendly note inviting my neighbours to a garden party.",
 ]
 WORKLOADS = {"grounded": GROUNDED, "chat": CHAT}
+# k = 6 read best on both workloads once draft rows got cheap (Zen 4, Q4_1 SmolLM2, in
+# one process, ratio to no speculation, grounded / chat): k = 4 with lookup 3..5 (the
+# old default) 1.60x / 1.25x; lookup 2..5: k = 5 1.76x / 1.34x, k = 6 1.83x / 1.30x,
+# k = 7 (before the bf16 attention kernel) 1.73x / 1.13x.
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 6}
 
 
 def _run(llm: Any, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -94,13 +102,18 @@ def run_spec(make_llm: Callable[[bool], Any], output_len: int, repeats: int
             identical &= outputs["base"] == outputs["spec"]
     med = {w: {c: statistics.median(v) for c, v in cases.items()}
            for w, cases in runs.items()}
+    # Each repeat's spec over base, the two run back to back: the host's drift over the
+    # run (about 20% between repeats on a shared 2-core host) cancels in each ratio.
+    paired = {w: [s / b for s, b in zip(cases["spec"], cases["base"])]
+              for w, cases in runs.items()}
     spec_engine = engines["spec"].engine
     return {"mode": "spec", **environment(spec_engine.config.device),
             "config": {"output_len": output_len, "repeats": repeats,
                        "speculative": spec_engine.speculative.describe(),
                        **engine_facts(spec_engine)},
             "runs": runs, "median_tok_s": med,
-            "speedup": {w: m["spec"] / m["base"] for w, m in med.items()},
+            "speedup": {w: statistics.median(r) for w, r in paired.items()},
+            "speedup_range": {w: [min(r), max(r)] for w, r in paired.items()},
             "acceptance": acceptance, "identical": identical}
 
 
@@ -113,7 +126,8 @@ def format_spec(r: dict[str, Any]) -> str:
     rows = []
     for w, m in r["median_tok_s"].items():
         a = r["acceptance"].get(w, {})
-        rows.append([w, m["base"], m["spec"], f"{r['speedup'][w]:.2f}x",
+        lo, hi = r["speedup_range"][w]
+        rows.append([w, m["base"], m["spec"], f"{r['speedup'][w]:.2f}x ({lo:.2f}-{hi:.2f})",
                      a.get("acceptance_rate", float("nan")),
                      a.get("mean_accepted_length", float("nan")),
                      " ".join(f"{x:.2f}" for x in a.get("per_position_acceptance", []))])
