@@ -7,7 +7,8 @@ Two workloads, each prompt run alone (batch 1) and greedy:
             what prompt lookup is for); the texts are public domain or written here
   chat      free-form questions (the output rarely repeats: speculation should cost
             little there)
-The cases are interleaved `--repeats` times after one warm-up round. Throughput is output
+The cases are interleaved `--repeats` times after one warm-up round, alternating which
+engine goes first. Throughput is output
 tokens over the requests' wall time (prefill included, the same for both). `speedup` is
 spec over base per workload: the median over repeats of each repeat's ratio (the two
 engines run back to back, so the host's drift cancels), with its range. Acceptance
@@ -92,7 +93,11 @@ def run_spec(make_llm: Callable[[bool], Any], output_len: int, repeats: int
     for rep in range(repeats + 1):  # round 0 warms every case up and is not kept
         for workload, prompts in WORKLOADS.items():
             outputs = {}
-            for case, llm in engines.items():
+            # Alternate which engine goes first, so a drift within a repeat favours
+            # neither over the run.
+            order = list(engines) if rep % 2 else list(engines)[::-1]
+            for case in order:
+                llm = engines[case]
                 before = stats.snapshot()
                 tok_s, outputs[case] = _run(llm, prompts, output_len)
                 if rep:
