@@ -234,11 +234,23 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_when_a_worker_is_killed(
             stop_server(server)
 
 
+def test_startup_bound_is_never_shorter_than_the_default(monkeypatch):
+    from kiln.distributed.parallel_state import startup_timeout_s
+
+    monkeypatch.setenv("KILN_DIST_TIMEOUT_S", "5")
+    assert startup_timeout_s() == 600
+    monkeypatch.setenv("KILN_DIST_TIMEOUT_S", "900")
+    assert startup_timeout_s() == 900
+    monkeypatch.setenv("KILN_DIST_STARTUP_TIMEOUT_S", "30")
+    assert startup_timeout_s() == 30
+
+
 def test_hung_worker_times_out_instead_of_hanging(models, monkeypatch):
     """Llama at tp=2 through `mp` with this process as the engine matches transformers;
-    then a worker that stops answering (SIGSTOP) fails the step within the group timeout
+    then a worker that stops answering (SIGSTOP) fails the step within the step bound
     (KILN_DIST_TIMEOUT_S, 5 s here) with WorkerDiedError, and dropping the `LLM` leaves
-    no worker."""
+    no worker. Start-up keeps its own bound (600 s): 5 s had failed the gloo connect
+    itself on a loaded host."""
     import gc
     import signal
     import time

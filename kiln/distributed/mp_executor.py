@@ -16,7 +16,8 @@ script, which breaks every script without an `if __name__ == "__main__"` guard.
 Supervision: a watchdog thread polls the worker processes. When one dies it
 kills the others, which makes any collective the engine is blocked in fail at once
 (their sockets close), and the engine raises `WorkerDiedError` naming the rank. A peer
-that hangs instead is bounded by the group timeout (KILN_DIST_TIMEOUT_S). Workers die
+that hangs instead is bounded by the group timeout: KILN_DIST_STARTUP_TIMEOUT_S until the
+first step, KILN_DIST_TIMEOUT_S from then on (parallel_state.py). Workers die
 with the engine (PR_SET_PDEATHSIG), so a killed engine leaves no orphans.
 """
 from __future__ import annotations
@@ -39,7 +40,8 @@ import torch.distributed as dist
 
 from kiln.distributed.executor import Executor
 from kiln.distributed.parallel_state import (destroy_distributed, init_distributed,
-                                             initialize_model_parallel, timeout_s)
+                                             initialize_model_parallel, set_world_timeout,
+                                             startup_timeout_s, timeout_s)
 from kiln.distributed.worker import RunnerSpec, Worker, cpu_threads_per_rank
 from kiln.scheduler import ModelRunnerOutput, SchedulerOutput
 
@@ -75,6 +77,7 @@ class MultiprocExecutor(Executor):
         self._watchdog.start()
         self.broadcast_s = 0.0  # engine-side time in the per-step broadcast
         self._in_call = False  # between a message's broadcast and its reply
+        self._serving = False  # a step has run: collectives take the step bound
         try:
             init_distributed(tp + 1, tp, f"tcp://127.0.0.1:{port}")
             initialize_model_parallel(tp, device, tp)
@@ -112,8 +115,9 @@ class MultiprocExecutor(Executor):
         an unknown collective), and the error names the first worker that died."""
         self._watchdog.join(5)  # the collective may fail before the watchdog's next scan
         if self._dead is None:
-            self._dead = (f"a collective with the workers failed or timed out "
-                          f"(KILN_DIST_TIMEOUT_S={timeout_s():.0f})")
+            bound = (f"KILN_DIST_TIMEOUT_S={timeout_s():.0f}" if self._serving else
+                     f"at start-up, KILN_DIST_STARTUP_TIMEOUT_S={startup_timeout_s():.0f}")
+            self._dead = f"a collective with the workers failed or timed out ({bound})"
         self._kill_all()
         return WorkerDiedError(self._dead)
 
@@ -132,6 +136,9 @@ class MultiprocExecutor(Executor):
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
+        if not self._serving:  # start-up (load, compile, warm-up RPCs) is over
+            set_world_timeout(timeout_s())
+            self._serving = True
         self._in_call = True
         try:
             start = time.perf_counter()

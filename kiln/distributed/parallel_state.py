@@ -29,7 +29,28 @@ DEFAULT_TIMEOUT_S = 600.0
 
 
 def timeout_s() -> float:
+    """A serving step's bound (KILN_DIST_TIMEOUT_S)."""
     return float(os.environ.get("KILN_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+def startup_timeout_s() -> float:
+    """The bound while the ranks start: connecting, loading, compiling
+    (KILN_DIST_STARTUP_TIMEOUT_S; by default the larger of 600 s and the step bound). A
+    short step bound, set to catch a hung peer fast, must not fail a start-up that waits
+    behind cold compiles or a loaded host (a 5 s bound failed the gloo connect itself)."""
+    default = max(DEFAULT_TIMEOUT_S, timeout_s())
+    return float(os.environ.get("KILN_DIST_STARTUP_TIMEOUT_S", default))
+
+
+def set_world_timeout(seconds: float) -> None:
+    """Re-bound the world group's collectives from now on (start-up over: the step bound).
+    torch has no public setter; its private one covers gloo and NCCL."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        logger.warning("this torch cannot change a process group's timeout: collectives "
+                       "keep the start-up bound (%.0f s)", startup_timeout_s())
+        return
+    setter(datetime.timedelta(seconds=seconds), dist.group.WORLD)
 
 
 @dataclass
@@ -117,7 +138,7 @@ def init_distributed(world_size: int, rank: int, init_method: str = "env://") ->
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=init_method, world_size=world_size,
                                 rank=rank,
-                                timeout=datetime.timedelta(seconds=timeout_s()))
+                                timeout=datetime.timedelta(seconds=startup_timeout_s()))
     _WORLD = GroupCoordinator("world", list(range(dist.get_world_size())), dist.get_rank(),
                               dist.group.WORLD, dist.group.WORLD)
 
