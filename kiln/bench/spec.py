@@ -8,12 +8,11 @@ Two workloads, each prompt run alone (batch 1) and greedy:
   chat      free-form questions (the output rarely repeats: speculation should cost
             little there)
 The cases are interleaved `--repeats` times after one warm-up round, alternating which
-engine goes first. Throughput is output
-tokens over the requests' wall time (prefill included, the same for both). `speedup` is
-spec over base per workload: the median over repeats of each repeat's ratio (the two
-engines run back to back, so the host's drift cancels), with its range. Acceptance
-statistics are those of the spec engine's steps in that workload. Greedy outputs must be
-identical (`identical`).
+engine goes first. Throughput is output tokens over the requests' wall time (prefill
+included, the same for both). `speedup` is spec over base per workload: the median over
+repeats of each repeat's ratio (the two engines run back to back, so the host's drift
+cancels), with its range. Acceptance statistics are those of the spec engine's steps in
+that workload. Greedy outputs must be identical (`identical`).
 JSON: mode "spec", environment, config, runs {workload: {case: [tok/s per repeat]}},
 median_tok_s, speedup, speedup_range {workload: [min, max]}, acceptance {workload:
 SpecDecodingStats.as_dict()}, identical.
