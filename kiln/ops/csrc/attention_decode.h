@@ -106,14 +106,6 @@ struct Run {
   int64_t rows;
 };
 
-// One (run, KV head), in two passes over the context (scores from K sixteen keys at a
-// time, then the softmax-weighted sum of V). Each vector's arithmetic is the same as it
-// would be alone: its keys in the same lanes and order, the keys past its own length
-// masked out of the softmax and weighted by an exact zero in the V pass.
-// CH: the head size in 16-lane chunks when known at compile time (1, 2, 4, 8), 0 for
-// any other multiple of 16. A runtime chunk count left the score loop's 16 accumulators
-// in memory with a branch per chunk: the whole op took 1.3x as long for a decode row
-// over 300 keys, 1.5x for 5 verify rows (Zen 4, bf16, heads of 64).
 #ifdef __AVX512BF16__
 // bf16 caches on AVX512-BF16 builds (head sizes of whole 32s): both passes in `vdpbf16ps`
 // (32 products of bf16 pairs per instruction, exact, summed in fp32), where the fp32
@@ -222,6 +214,14 @@ void pv_all_bf16(const uint16_t* p, int64_t padded, int64_t n_rows,
 }
 #endif
 
+// One (run, KV head), in two passes over the context (scores from K sixteen keys at a
+// time, then the softmax-weighted sum of V). Each vector's arithmetic is the same as it
+// would be alone: its keys in the same lanes and order, the keys past its own length
+// masked out of the softmax and weighted by an exact zero in the V pass.
+// CH: the head size in 16-lane chunks when known at compile time (1, 2, 4, 8), 0 for
+// any other multiple of 16. A runtime chunk count left the score loop's 16 accumulators
+// in memory with a branch per chunk: the whole op took 1.3x as long for a decode row
+// over 300 keys, 1.5x for 5 verify rows (Zen 4, bf16, heads of 64).
 template <typename T, int CH>
 void attend_run(const Run& run, const T* kc, const T* vc, const int32_t* blocks,
                 int64_t first, int64_t total, int64_t block_size, int64_t kv_heads,

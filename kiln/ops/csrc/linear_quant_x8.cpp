@@ -44,9 +44,9 @@ inline int32_t quad(const int8_t* p) {  // 4 adjacent int8 of x, as one broadcas
 #ifdef __AVX512VNNI__
 // MR rows x one 16-column block: its codes are one sequential stream (chunk after chunk).
 // Both nibbles of a 64-byte load (128 codes) go into the same int32 sums, so the chunk's
-// epilogue per row is one convert and two FMAs: with several rows (a verify step) the
-// kernel is bound by arithmetic, and the epilogue had been 6 of every 14 ops per row and
-// chunk (the high nibbles in separate sums, each converted and folded in by 1/16).
+// epilogue per row is one convert, one multiply and two FMAs: with several rows (a verify
+// step) the kernel is bound by arithmetic, and the epilogue had been 6 of every 14 ops per
+// row and chunk (the high nibbles in separate sums, each converted and folded in by 1/16).
 // Fewer than 4 rows keep two independent sum chains, which hide `vpdpbusd`'s latency.
 template <int MR>
 void q4_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
