@@ -10,8 +10,8 @@ Linux grants huge pages to private anonymous memory when
 /sys/kernel/mm/transparent_hugepage/enabled is `always`, or `madvise` and the range was
 advised (`MADV_HUGEPAGE`) before its first touch. So the weights are copied once, after
 loading and packing, into one advised arena (a mapping of its own), and each tensor is
-re-pointed at its copy in place (`Tensor.set_`): every holder of the tensor object (modules, the compiled graph's
-input recipe) sees the new memory. Elsewhere (other kernels, THP `never`) nothing moves.
+re-pointed at its copy in place (`Tensor.set_`): every holder of the tensor object
+(modules, the compiled graph's input recipe) sees the new memory. Elsewhere (other kernels, THP `never`) nothing moves.
 """
 from __future__ import annotations
 

@@ -106,6 +106,50 @@ struct Run {
   int64_t rows;
 };
 
+// The scores of one item's nv query vectors (scale folded into q), sixteen keys at a
+// time: each block of keys widened to fp32 once for all vectors (bf16: into kf, an
+// L1-sized scratch; fp32 rows are read in place). Keys past the end read a zero row:
+// their lanes are masked out of the softmax, and the loop stays branch-free.
+template <typename T, int CH, typename Prefetch>
+void scores_fp32(const T* qp, const Run& run, int64_t head, int64_t group, int64_t nv,
+                 int64_t D, const T* const* rows, int64_t len, int64_t padded, float scale,
+                 float* scores, const Prefetch& prefetch_row) {
+  const int64_t chunks = CH > 0 ? CH : D / 16;
+  V16 qv[kMaxGroup][kMaxChunks];
+  for (int64_t v = 0; v < nv; ++v) {
+    const int64_t r = v / group, h = head * group + v % group;
+    for (int64_t c = 0; c < chunks; ++c)
+      qv[v][c] = isa::mul(load16(qp + r * run.q_token_stride + h * run.q_head_stride + c * 16),
+                          isa::set1(scale));
+  }
+  alignas(64) float kf[16 * 16 * kMaxChunks];
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    for (int64_t j = j0 + 16; j < std::min<int64_t>(len, j0 + 32); ++j) prefetch_row(rows[j]);
+    const float* keys[16];
+    for (int i = 0; i < 16; ++i) {
+      keys[i] = kZeroRow;
+      if (j0 + i >= len) continue;
+      if constexpr (std::is_same_v<T, float>) {
+        keys[i] = rows[j0 + i];
+      } else {
+        for (int64_t c = 0; c < chunks; ++c)
+          isa::storeu(kf + i * D + c * 16, load16(rows[j0 + i] + c * 16));
+        keys[i] = kf + i * D;
+      }
+    }
+    for (int64_t g = 0; g < nv; ++g) {
+      V16 acc[16];  // in reduce16's order, so that lane i of the sums is key j0 + i
+      for (int i = 0; i < 16; ++i) {
+        const float* k = keys[isa::kReduceOrder[i]];
+        acc[i] = isa::zero();
+        for (int64_t c = 0; c < chunks; ++c)
+          acc[i] = isa::fmadd(qv[g][c], isa::loadu(k + c * 16), acc[i]);
+      }
+      isa::storeu(scores + g * padded + j0, isa::reduce16(acc));
+    }
+  }
+}
+
 #ifdef __AVX512BF16__
 // bf16 caches on AVX512-BF16 builds (head sizes of whole 32s): both passes in `vdpbf16ps`
 // (32 products of bf16 pairs per instruction, exact, summed in fp32), where the fp32
@@ -238,15 +282,10 @@ void attend_run(const Run& run, const T* kc, const T* vc, const int32_t* blocks,
   const T* qp = static_cast<const T*>(run.q);
   T* outs[kMaxGroup];
   int64_t lens[kMaxGroup];
-  V16 qv[kMaxGroup][kMaxChunks];
   for (int64_t v = 0; v < nv; ++v) {
     const int64_t r = v / group, h = head * group + v % group;
     lens[v] = len - (run.rows - 1 - r);
     outs[v] = static_cast<T*>(run.out) + r * run.out_token_stride + h * run.q_head_stride;
-    if (!kBf16Dots)
-      for (int64_t c = 0; c < chunks; ++c)
-        qv[v][c] = isa::mul(load16(qp + r * run.q_token_stride + h * run.q_head_stride + c * 16),
-                            isa::set1(scale));
   }
   // fp32 scores, then (bf16 dots) the probabilities as bf16 behind them
   scores.resize(nv * padded + (kBf16Dots ? nv * padded / 2 : 0));
@@ -268,42 +307,15 @@ void attend_run(const Run& run, const T* kc, const T* vc, const int32_t* blocks,
     for (int64_t b = 0; b < row_bytes; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
   };
-  alignas(64) float kf[16 * 16 * kMaxChunks];
   for (int64_t j = 0; j < std::min<int64_t>(len, 16); ++j) prefetch_row(rows[j]);
 #ifdef __AVX512BF16__
   if constexpr (kBf16Dots)
     scores_bf16<CH>(qp, run, head, group, nv, rows.data(), len, padded, scale, scores.data(),
                     prefetch_row);
+  else
 #endif
-  for (int64_t j0 = 0; j0 < (kBf16Dots ? 0 : len); j0 += 16) {
-    for (int64_t j = j0 + 16; j < std::min<int64_t>(len, j0 + 32); ++j) prefetch_row(rows[j]);
-    // The 16 keys as fp32, widened once for all group query rows (bf16: into kf, an L1-sized
-    // scratch; fp32 rows are read in place).
-    // Keys past the end read a zero row: their lanes are masked out of the softmax, and
-    // the loop below stays branch-free.
-    const float* keys[16];
-    for (int i = 0; i < 16; ++i) {
-      keys[i] = kZeroRow;
-      if (j0 + i >= len) continue;
-      if constexpr (std::is_same_v<T, float>) {
-        keys[i] = rows[j0 + i];
-      } else {
-        for (int64_t c = 0; c < chunks; ++c)
-          isa::storeu(kf + i * D + c * 16, load16(rows[j0 + i] + c * 16));
-        keys[i] = kf + i * D;
-      }
-    }
-    for (int64_t g = 0; g < nv; ++g) {
-      V16 acc[16];  // in reduce16's order, so that lane i of the sums is key j0 + i
-      for (int i = 0; i < 16; ++i) {
-        const float* k = keys[isa::kReduceOrder[i]];
-        acc[i] = isa::zero();
-        for (int64_t c = 0; c < chunks; ++c)
-          acc[i] = isa::fmadd(qv[g][c], isa::loadu(k + c * 16), acc[i]);
-      }
-      isa::storeu(scores.data() + g * padded + j0, isa::reduce16(acc));
-    }
-  }
+    scores_fp32<T, CH>(qp, run, head, group, nv, D, rows.data(), len, padded, scale,
+                       scores.data(), prefetch_row);
   if (softcap > 0.f) {  // the scale is already in the scores
     for (int64_t g = 0; g < nv; ++g)
       for (int64_t j = 0; j < lens[g]; ++j) {
