@@ -3,9 +3,10 @@
 
 One request (SmolLM2's 9 query / 3 KV heads of 64 by default, bf16, blocks of 16) whose
 last `rows` tokens are new: 1 is a decode step, 1 + k a speculative verify step (the
-backend splits it into decode rows). Thirty layers' caches, so the KV does not sit in L1
-or L2 between calls as it would not in a model; prints the best per-layer time of 30
-rounds.
+backend runs it as one run of decode rows). Thirty layers' caches, so the KV does not sit
+in L1 or L2 between calls as it would not in a model (it may in L3: the engine's weight
+stream evicts it there, so time the engine's forward for in-model figures); prints the
+best per-layer time of 30 rounds.
 """
 from __future__ import annotations
 

@@ -120,17 +120,21 @@ def test_attention_op_is_opaque_to_dynamo():
 @pytest.mark.parametrize("heads,kv_heads,D,dtype", [(9, 3, 64, torch.bfloat16),
                                                     (8, 2, 16, torch.float32),
                                                     (6, 1, 32, torch.float32)])
-def test_verify_rows_equal_the_same_tokens_decoded_one_by_one(heads, kv_heads, D, dtype,
+@pytest.mark.parametrize("ctx", [70, 254])
+def test_verify_rows_equal_the_same_tokens_decoded_one_by_one(heads, kv_heads, D, dtype, ctx,
                                                               cpu_kernels_loaded):
-    """The cpu backend attends a verify step's 1 + k tokens as one item per KV head (each
-    key and value row read once for all of them); every token's result must be bit for
-    bit what it gets as a lone decode row with its causal length."""
+    """The cpu backend attends a verify step's 1 + k tokens together (each key and value
+    row read once for all of them), its keys cut into fixed chunks whose partial results
+    are merged; every token's result must be bit for bit what it gets as a lone decode row
+    with its causal length. At 254 the tokens see 255-259 keys: two chunks for some, three
+    for others."""
     torch.manual_seed(0)
-    block_size, ctx, new = 16, 70, 5
+    block_size, new = 16, 5
+    n_blocks = (ctx + new) // block_size + 1
     spec = AttentionLayerSpec(heads, kv_heads, D, D ** -0.5)
     backend = CpuPagedBackend(spec)
-    cache = torch.randn(2, 12, block_size, kv_heads, D).to(dtype)
-    table = torch.randperm(11, dtype=torch.int32)[None, :8] + 1
+    cache = torch.randn(2, n_blocks + 4, block_size, kv_heads, D).to(dtype)
+    table = torch.randperm(n_blocks + 3, dtype=torch.int32)[None, :n_blocks] + 1
     q = torch.randn(new, heads * D).to(dtype)
     k, v = (torch.randn(new, kv_heads * D).to(dtype) for _ in range(2))
     slots = [int(table[0, p // block_size]) * block_size + p % block_size

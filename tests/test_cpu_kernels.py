@@ -96,10 +96,11 @@ def test_pack_linears_frees_untied_weights_and_keeps_outputs(tiny_models):
 def test_cpu_backend_matches_torch_backend(dtype, tol, heads, kv_heads, head_size,
                                            block_size):
     """Mixed prefills, chunks with context and decodes (contexts past 16 keys, so the
-    sixteen-key blocks and their tails both run), padding rows; outputs and caches."""
+    sixteen-key blocks and their tails both run, and past 128, so the decode kernel
+    merges its key chunks' partials), padding rows; outputs and caches."""
     spec = AttentionLayerSpec(heads, kv_heads, head_size, head_size ** -0.5)
-    for seed in range(3):
-        shapes = random_shapes(seed, 7, max_context=90)
+    for seed, max_context in enumerate((90, 90, 400)):
+        shapes = random_shapes(seed, 7, max_context=max_context)
         batch = make_batch(shapes, heads, kv_heads, head_size, block_size, pad=3, seed=seed,
                            dtype=dtype)
         out_cpu, cache_cpu = run_backend(CpuPagedBackend, batch, spec)

@@ -1,8 +1,9 @@
 // The decode kernel of kiln_cpu::unified_attention (paged_attention.cpp): one item is
 // one run of query tokens of a request (1 for a plain decode row, 1 + k for a verify
-// step) against one KV head, read straight from the paged cache. fp32 arithmetic, or
-// bf16 dot products for bf16 caches on AVX512-BF16 builds (scores_bf16). Included by
-// paged_attention.cpp only.
+// step) against one KV head and one chunk of its keys, read straight from the paged
+// cache; the chunks' partial results are merged per run and head (merge_partials). fp32
+// arithmetic, or bf16 dot products for bf16 caches on AVX512-BF16 builds (scores_bf16).
+// Included by paged_attention.cpp only.
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -25,7 +26,7 @@ inline void store16(float* p, V16 v) { isa::storeu(p, v); }
 inline void store16(c10::BFloat16* p, V16 v) { isa::store_bf16(p, v); }
 
 constexpr int kMaxChunks = 16;  // head_size <= 256
-constexpr int kMaxGroup = 16;   // query heads per KV head
+constexpr int kMaxGroup = 32;   // query vectors per item (query heads per KV head x tokens)
 
 // exp for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on the
 // reduced argument, scaled by 2^n; about 1 ulp, like the vectorised exp SDPA uses.
@@ -49,7 +50,7 @@ inline V16 exp_nonpositive(V16 x) {
 // summed over the keys in order, so a row's result does not depend on the tile it is in.
 template <typename T, int RT, int CH>
 void pv_rows(const float* s, int64_t padded, const T* const* rows, std::ptrdiff_t to_value,
-             int64_t len, T* const* outs) {
+             int64_t len, float* const* outs) {
   V16 acc[RT][CH];
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < CH; ++c) acc[r][c] = isa::zero();
@@ -76,7 +77,7 @@ alignas(64) constexpr float kZeroRow[16 * kMaxChunks] = {};
 
 template <typename T, int N, int CH>
 void pv_tail(int64_t rem, const float* s, int64_t padded, const T* const* rows,
-             std::ptrdiff_t to_value, int64_t len, T* const* outs) {
+             std::ptrdiff_t to_value, int64_t len, float* const* outs) {
   if constexpr (N > 0) {
     if (rem == N) return pv_rows<T, N, CH>(s, padded, rows, to_value, len, outs);
     pv_tail<T, N - 1, CH>(rem, s, padded, rows, to_value, len, outs);
@@ -85,7 +86,7 @@ void pv_tail(int64_t rem, const float* s, int64_t padded, const T* const* rows,
 
 template <typename T, int CH>
 void pv_all(const float* s, int64_t padded, int64_t n_rows, const T* const* rows,
-            std::ptrdiff_t to_value, int64_t len, T* const* outs) {
+            std::ptrdiff_t to_value, int64_t len, float* const* outs) {
   constexpr int RT = kPvAccumulators / CH > 0 ? kPvAccumulators / CH : 1;
   int64_t g = 0;
   for (; g + RT <= n_rows; g += RT)
@@ -155,8 +156,9 @@ void scores_fp32(const T* qp, const Run& run, int64_t head, int64_t group, int64
 // (32 products of bf16 pairs per instruction, exact, summed in fp32), where the fp32
 // kernel widens every key and value to fp32 and spends a 16-lane FMA per 16 products.
 // The scores come straight from the bf16 rows, the scale multiplying their sums (it was
-// in q: the same up to rounding); the probabilities are rounded to bf16 for the V pass,
-// as SDPA's reduced-precision path rounds them for its PV product.
+// in q: the same up to rounding); the softmax weights are rounded to bf16 for the V pass,
+// as SDPA's reduced-precision path rounds them for its PV product (here unnormalised:
+// exp(score - the chunk's max), normalised when the chunks merge).
 // SmolLM2's heads (9 / 3 of 64), Zen 4, 2 threads, us per layer, fp32 kernel -> this:
 //   300 keys: 1 row 13.3 -> 10.4, 5 rows 36.6 -> 24.7, 7 rows 44.4 -> 30.6;
 //   1000 keys: 1 row 71.4 -> 54.9, 5 rows 175 -> 85, 7 rows 190 -> 104.
@@ -190,13 +192,13 @@ void scores_bf16(const c10::BFloat16* qp, const Run& run, int64_t head, int64_t 
   }
 }
 
-// The softmax-weighted sum of V for RT vectors from bf16 probabilities (p, row stride
-// `padded`: rounded as SDPA rounds them before its reduced-precision PV product), two keys
+// The weighted sum of V for RT vectors from bf16 softmax weights (p, row stride `padded`:
+// rounded as SDPA rounds them before its reduced-precision PV product), two keys
 // per `vdpbf16ps`: V rows j and j + 1 interleaved (unpack lo/hi per 128-bit lane), so
 // accumulator lanes hold the dims in that order, put back once at the end.
 template <int RT, int CH>
 void pv_rows_bf16(const uint16_t* p, int64_t padded, const c10::BFloat16* const* rows,
-                  std::ptrdiff_t to_value, int64_t len, c10::BFloat16* const* outs) {
+                  std::ptrdiff_t to_value, int64_t len, float* const* outs) {
   constexpr int kHalf = CH / 2;  // 32-dim zmm per row
   V16 acc[RT][CH];
   for (int r = 0; r < RT; ++r)
@@ -239,7 +241,7 @@ void pv_rows_bf16(const uint16_t* p, int64_t padded, const c10::BFloat16* const*
 template <int N, int CH>
 void pv_tail_bf16(int64_t rem, const uint16_t* p, int64_t padded,
                   const c10::BFloat16* const* rows, std::ptrdiff_t to_value, int64_t len,
-                  c10::BFloat16* const* outs) {
+                  float* const* outs) {
   if constexpr (N > 0) {
     if (rem == N) return pv_rows_bf16<N, CH>(p, padded, rows, to_value, len, outs);
     pv_tail_bf16<N - 1, CH>(rem, p, padded, rows, to_value, len, outs);
@@ -249,7 +251,7 @@ void pv_tail_bf16(int64_t rem, const uint16_t* p, int64_t padded,
 template <int CH>
 void pv_all_bf16(const uint16_t* p, int64_t padded, int64_t n_rows,
                  const c10::BFloat16* const* rows, std::ptrdiff_t to_value, int64_t len,
-                 c10::BFloat16* const* outs) {
+                 float* const* outs) {
   constexpr int RT = 24 / CH > 0 ? 24 / CH : 1;  // 24 accumulators beside 2 x CH / 2 of V
   int64_t g = 0;
   for (; g + RT <= n_rows; g += RT)
@@ -258,42 +260,64 @@ void pv_all_bf16(const uint16_t* p, int64_t padded, int64_t n_rows,
 }
 #endif
 
-// One (run, KV head), in two passes over the context (scores from K sixteen keys at a
-// time, then the softmax-weighted sum of V). Each vector's arithmetic is the same as it
-// would be alone: its keys in the same lanes and order, the keys past its own length
-// masked out of the softmax and weighted by an exact zero in the V pass.
+// Keys per decode item. A run's keys are cut into chunks of kKeyChunk counted from its
+// first key, one item per (run, KV head, chunk): a lone request still spreads over every
+// thread (3 KV heads on 2 threads left one thread twice the work), and no key or value row
+// is read twice (cutting the run's tokens apart instead read the context once per piece).
+// The cut depends on the keys alone, never on the batch or the run's token count, so a
+// token's result is bit for bit what it gets as a lone decode row. 128: 64 paid more
+// chunk starts (each waits on its first rows), 256 left a 300-key request unbalanced
+// (556 vs 344 keys per thread); SmolLM2 decode at 300-600 keys, Zen 4.
+constexpr int64_t kKeyChunk = 128;
+
+// One vector's partial over one chunk: the unnormalised softmax-weighted sum of V (D
+// floats), then the max score m and the sum s of exp(score - m) over its live keys.
+inline int64_t partial_floats(int64_t D) { return D + 2; }
+
+// The key count of each of one run's nv vectors (token r of `rows` sees the last token's
+// keys less rows - 1 - r).
+inline void vector_lens(const Run& run, int64_t group, int64_t len, int64_t* lens) {
+  for (int64_t v = 0; v < run.rows * group; ++v) lens[v] = len - (run.rows - 1 - v / group);
+}
+
+// One (run, KV head, chunk): keys k0 .. k0 + kKeyChunk - 1 of the run's window, in two
+// passes (scores sixteen keys at a time, then the exp-weighted sum of V). Each vector's
+// arithmetic is the same as it would be alone: its keys in the same lanes and order, the
+// keys past its own length masked out of the softmax and weighted by an exact zero in
+// the V pass. Writes nv partials (partial_floats(D) apart) at `part`.
 // CH: the head size in 16-lane chunks when known at compile time (1, 2, 4, 8), 0 for
 // any other multiple of 16. A runtime chunk count left the score loop's 16 accumulators
 // in memory with a branch per chunk: the whole op took 1.3x as long for a decode row
 // over 300 keys, 1.5x for 5 verify rows (Zen 4, bf16, heads of 64).
 template <typename T, int CH>
-void attend_run(const Run& run, const T* kc, const T* vc, const int32_t* blocks,
-                int64_t first, int64_t total, int64_t block_size, int64_t kv_heads,
-                int64_t head, int64_t group, int64_t D, float scale, float softcap,
-                std::vector<float>& scores, std::vector<const T*>& rows) {
-  // Keys first .. total - 1 (the window's, or all): the last token's.
-  const int64_t len = total - first, nv = run.rows * group;
+void attend_chunk(const Run& run, const T* kc, const T* vc, const int32_t* blocks,
+                  int64_t first, int64_t total, int64_t k0, int64_t block_size,
+                  int64_t kv_heads, int64_t head, int64_t group, int64_t D, float scale,
+                  float softcap, float* part, std::vector<float>& scores,
+                  std::vector<const T*>& rows) {
 #ifdef __AVX512BF16__
   constexpr bool kBf16Dots = std::is_same_v<T, c10::BFloat16> && CH > 0 && CH % 2 == 0;
 #else
   constexpr bool kBf16Dots = false;
 #endif
+  // This chunk's keys (the last token's, which sees the most), and each vector's live ones.
+  const int64_t len = std::min(kKeyChunk, total - first - k0), nv = run.rows * group;
   const int64_t chunks = CH > 0 ? CH : D / 16, padded = (len + 15) / 16 * 16;
-  const T* qp = static_cast<const T*>(run.q);
-  T* outs[kMaxGroup];
+  const int64_t stride = partial_floats(D);
   int64_t lens[kMaxGroup];
-  for (int64_t v = 0; v < nv; ++v) {
-    const int64_t r = v / group, h = head * group + v % group;
-    lens[v] = len - (run.rows - 1 - r);
-    outs[v] = static_cast<T*>(run.out) + r * run.out_token_stride + h * run.q_head_stride;
-  }
-  // fp32 scores, then (bf16 dots) the probabilities as bf16 behind them
+  vector_lens(run, group, total - first, lens);
+  for (int64_t v = 0; v < nv; ++v) lens[v] = std::clamp<int64_t>(lens[v] - k0, 0, len);
+  const T* qp = static_cast<const T*>(run.q);
+  float* outs[kMaxGroup];
+  for (int64_t v = 0; v < nv; ++v) outs[v] = part + v * stride;
+  // fp32 scores, then (bf16 dots) the exp weights as bf16 behind them
   scores.resize(nv * padded + (kBf16Dots ? nv * padded / 2 : 0));
   [[maybe_unused]] auto* probs = reinterpret_cast<uint16_t*>(scores.data() + nv * padded);
   // Row addresses once, block by block (no per-key division); V rows sit at the same
   // offsets in the value cache.
   rows.resize(len);
-  for (int64_t j = 0, b = first / block_size, o0 = first % block_size; j < len; ++b, o0 = 0) {
+  const int64_t at = first + k0;
+  for (int64_t j = 0, b = at / block_size, o0 = at % block_size; j < len; ++b, o0 = 0) {
     const T* base = kc + (static_cast<int64_t>(blocks[b]) * block_size * kv_heads + head) * D;
     for (int64_t o = o0; o < block_size && j < len; ++o, ++j) rows[j] = base + o * kv_heads * D;
   }
@@ -316,6 +340,8 @@ void attend_run(const Run& run, const T* kc, const T* vc, const int32_t* blocks,
 #endif
     scores_fp32<T, CH>(qp, run, head, group, nv, D, rows.data(), len, padded, scale,
                        scores.data(), prefetch_row);
+  // The V pass prefetches 8 rows ahead: its first 8 load while the softmax runs.
+  for (int64_t j = 0; j < std::min<int64_t>(len, 8); ++j) prefetch_row(rows[j] + to_value);
   if (softcap > 0.f) {  // the scale is already in the scores
     for (int64_t g = 0; g < nv; ++g)
       for (int64_t j = 0; j < lens[g]; ++j) {
@@ -323,31 +349,31 @@ void attend_run(const Run& run, const T* kc, const T* vc, const int32_t* blocks,
         x = softcap * std::tanh(x / softcap);
       }
   }
+  // exp(score - max) per vector, unnormalised: the chunks' partials are merged (and
+  // normalised) once every chunk is in (merge_partials).
   for (int64_t g = 0; g < nv; ++g) {
     float* s = scores.data() + g * padded;
     const int64_t n = lens[g];
     auto live = [n](int64_t j) { return isa::first_lanes(std::max<int64_t>(0, n - j)); };
     V16 mx = isa::set1(-INFINITY);
     for (int64_t j = 0; j < padded; j += 16) mx = isa::max_masked(mx, live(j), isa::loadu(s + j));
-    const V16 m = isa::set1(isa::reduce_max(mx));
+    // no live key here (a token shorter than the chunk's start): all-zero weights
+    const V16 m = isa::set1(n > 0 ? isa::reduce_max(mx) : 0.f);
     V16 sum = isa::zero();
     for (int64_t j = 0; j < padded; j += 16) {
       const V16 e = isa::zero_unmasked(live(j), exp_nonpositive(isa::sub(isa::loadu(s + j), m)));
       sum = isa::add(sum, e);
-      isa::storeu(s + j, e);
-    }
-    const V16 inv = isa::set1(1.f / isa::reduce_add(sum));
-    for (int64_t j = 0; j < padded; j += 16) {
-      const V16 pj = isa::mul(isa::loadu(s + j), inv);
 #ifdef __AVX512BF16__
       if constexpr (kBf16Dots) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + g * padded + j),
-                            (__m256i)_mm512_cvtneps_pbh(pj));
+                            (__m256i)_mm512_cvtneps_pbh(e));
         continue;
       }
 #endif
-      isa::storeu(s + j, pj);
+      isa::storeu(s + j, e);
     }
+    outs[g][D] = n > 0 ? isa::reduce_max(mx) : -INFINITY;
+    outs[g][D + 1] = isa::reduce_add(sum);
   }
 #ifdef __AVX512BF16__
   if constexpr (kBf16Dots) {
@@ -371,6 +397,37 @@ void attend_run(const Run& run, const T* kc, const T* vc, const int32_t* blocks,
   }
   for (int64_t g = 0; g < nv; ++g)
     for (int64_t c = 0; c < chunks; ++c) store16(outs[g] + c * 16, acc[g][c]);
+}
+
+// A run's output for one KV head from its chunks' partials (chunk k's nv partials at
+// part + k * nv * partial_floats(D)): per vector, the chunks it has keys in, each weighted
+// by exp(its max - the overall max), in chunk order; then divided by the weighted sums.
+template <typename T>
+void merge_partials(const Run& run, int64_t total_len, int64_t head, int64_t group,
+                    int64_t D, const float* part) {
+  const int64_t nv = run.rows * group, stride = partial_floats(D);
+  int64_t lens[kMaxGroup];
+  vector_lens(run, group, total_len, lens);
+  for (int64_t v = 0; v < nv; ++v) {
+    const int64_t r = v / group, h = head * group + v % group;
+    const int64_t nk = (lens[v] + kKeyChunk - 1) / kKeyChunk;
+    const float* p = part + v * stride;
+    float m = -INFINITY;
+    for (int64_t k = 0; k < nk; ++k) m = std::max(m, p[k * nv * stride + D]);
+    alignas(64) float acc[16 * kMaxChunks];
+    float den = 0.f;
+    for (int64_t k = 0; k < nk; ++k) {
+      const float* pk = p + k * nv * stride;
+      const float w = std::exp(pk[D] - m);
+      den += w * pk[D + 1];
+      for (int64_t c = 0; c < D; c += 16)
+        isa::storeu(acc + c, isa::fmadd(isa::set1(w), isa::loadu(pk + c),
+                                        k ? isa::loadu(acc + c) : isa::zero()));
+    }
+    const V16 inv = isa::set1(1.f / den);
+    T* out = static_cast<T*>(run.out) + r * run.out_token_stride + h * run.q_head_stride;
+    for (int64_t c = 0; c < D; c += 16) store16(out + c, isa::mul(isa::loadu(acc + c), inv));
+  }
 }
 
 }  // namespace kiln_attn
