@@ -86,7 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--formats", nargs="+", default=["bf16", "q4", "q8", "int8"])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "q4", "q8", "int8"],
+                    choices=["bf16", "q4", "q8", "int8"])
     ap.add_argument("--samples", type=int, default=7)
     ap.add_argument("--panel-from", type=int, default=None)
     ap.add_argument("--no-huge-pages", action="store_true")
