@@ -53,6 +53,25 @@ def test_ngram_proposer_takes_the_longest_latest_match():
     assert p.propose([1, 2, 3, 4]) == []  # no earlier occurrence of the suffix
     assert p.propose([4, 1, 2, 4], k=1) == [1]
     assert NgramProposer(3, 2, 3).propose([9, 4, 1, 2, 4]) == []  # below lookup_min
+    # The search runs over the tokens' int32 bytes: 2**24 then 0 hold the bytes of 1 across
+    # a token boundary, which is no occurrence of token 1; the real one further left is.
+    assert NgramProposer(2, 1, 1).propose([2 ** 24, 0, 1]) == []
+    assert NgramProposer(2, 1, 1).propose([1, 7, 2 ** 24, 0, 1]) == [7, 2 ** 24]
+
+
+def test_ngram_token_bytes_follow_a_growing_sequence():
+    """The drafter keeps each request's TokenBytes across steps; proposals from it equal
+    proposals from scratch as the sequence grows (and after it restarts shorter)."""
+    from kiln.spec_decode.ngram import TokenBytes
+
+    p, index = NgramProposer(k=4, lookup_min=2, lookup_max=4), TokenBytes()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 6, (8,), generator=g).tolist()
+    for _ in range(40):
+        assert p.propose(tokens, index=index) == p.propose(tokens)
+        tokens += torch.randint(0, 6, (3,), generator=g).tolist()
+    tokens = tokens[:5]
+    assert p.propose(tokens, index=index) == p.propose(tokens)
 
 
 def test_ngram_draft_length_shrinks_after_a_rejection_and_grows_back():

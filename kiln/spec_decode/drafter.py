@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import torch
 
 from kiln.spec_decode.config import SpeculativeConfig
-from kiln.spec_decode.ngram import NgramProposer
+from kiln.spec_decode.ngram import NgramProposer, TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class NgramDrafter:
                                       config.prompt_lookup_max)
         self._limit: dict[str, int] = {}  # req_id -> its next draft's length limit
         self._proposed_at: dict[str, int] = {}  # req_id -> len(token_ids) at its last draft
+        self._tokens: dict[str, TokenBytes] = {}  # req_id -> its tokens, for the search
 
     def _next_limit(self, s: CachedRequestState) -> int:
         limit = self._limit.get(s.req_id, self.k)
@@ -58,13 +59,16 @@ class NgramDrafter:
                 ) -> dict[str, list[int]]:
         drafts = {}
         limits = {}
+        tokens = {}
         for s in states:
             limits[s.req_id] = limit = self._next_limit(s)
-            d = self.proposer.propose(s.token_ids, limit)
+            tokens[s.req_id] = index = self._tokens.get(s.req_id) or TokenBytes()
+            d = self.proposer.propose(s.token_ids, limit, index)
             if d:
                 drafts[s.req_id] = d
-        # Only requests that sampled this step are kept: the others start again at k.
-        self._limit = limits
+        # Only requests that sampled this step are kept: the others start again at k (and
+        # rebuild their token bytes).
+        self._limit, self._tokens = limits, tokens
         self._proposed_at = {s.req_id: len(s.token_ids) for s in states}
         return drafts
 
