@@ -291,6 +291,20 @@ void for_key_rows(const T* kc, const int32_t* blocks, int64_t at, int64_t n,
   }
 }
 
+// Asks for the K and V rows of keys at .. at + n - 1 of one KV head into L2: all at once,
+// so that their DRAM round trips overlap instead of each waiting its turn.
+template <typename T>
+void prefetch_chunk(const T* kc, std::ptrdiff_t to_value, const int32_t* blocks, int64_t at,
+                    int64_t n, int64_t block_size, int64_t kv_heads, int64_t head, int64_t D) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for_key_rows(kc, blocks, at, n, block_size, kv_heads, head, D, [&](int64_t, const T* row) {
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(row + to_value) + b, _MM_HINT_T1);
+    }
+  });
+}
+
 // One (run, KV head, chunk): keys k0 .. k0 + kKeyChunk - 1 of the run's window, in two
 // passes (scores sixteen keys at a time, then the exp-weighted sum of V). Each vector's
 // arithmetic is the same as it would be alone: its keys in the same lanes and order, the
@@ -334,25 +348,15 @@ void attend_chunk(const Run& run, const T* kc, const T* vc, const int32_t* block
   // no hardware prefetcher follows that, and each row missed costs a DRAM round trip (the
   // KV of a long context does not stay in cache between layers). So each loop asks for
   // the rows it will read next (the keys of the next group of 16, the value 8 rows on)
-  // into L1; and first, all of this chunk's K and V rows and the next chunk's into L2,
-  // so that their DRAM round trips overlap instead of each waiting its turn (SmolLM2's
-  // forward, Zen 4, 1 token: 300 keys 4.70 -> 4.45 ms, 1000 keys 5.71 -> 5.11).
+  // into L1; and first, all of this chunk's K and V rows into L2 (a no-op where the
+  // item before asked for them: see decode_impl).
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   auto prefetch_row = [row_bytes](const T* row) {
     for (int64_t b = 0; b < row_bytes; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
   };
-  auto prefetch_kv_l2 = [row_bytes, to_value](int64_t, const T* row) {
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(row + to_value) + b, _MM_HINT_T1);
-    }
-  };
   for (int64_t j = 0; j < std::min<int64_t>(len, 16); ++j) prefetch_row(rows[j]);
-  for (int64_t j = 0; j < len; ++j) prefetch_kv_l2(j, rows[j]);
-  if (at + len < total)  // the next chunk is most often this thread's next item
-    for_key_rows(kc, blocks, at + len, std::min(kKeyChunk, total - at - len), block_size,
-                 kv_heads, head, D, prefetch_kv_l2);
+  prefetch_chunk(kc, to_value, blocks, at, len, block_size, kv_heads, head, D);
 #ifdef __AVX512BF16__
   if constexpr (kBf16Dots)
     scores_bf16<CH>(qp, run, head, group, nv, rows.data(), len, padded, scale, scores.data(),

@@ -144,6 +144,13 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
     std::vector<float> scores;
     std::vector<const T*> rows;
     for (int64_t i = bounds[t_begin]; i < bounds[t_end]; ++i) {
+      if (i + 1 < bounds[t_end]) {  // the next item's K and V into L2 while this one runs
+        const Piece& nx = pieces[items[i + 1].piece];
+        const int64_t at = nx.first + items[i + 1].chunk * kKeyChunk;
+        prefetch_chunk(kc, vc - kc, table + nx.entry * table_stride, at,
+                       std::min(kKeyChunk, nx.total - at), block_size, kv_heads,
+                       items[i + 1].head, D);
+      }
       const Item it = items[i];
       const Piece& pc = pieces[it.piece];
       const int64_t tok = qsl[pc.entry], nv = pc.rows * group;
