@@ -383,7 +383,8 @@ void attend_chunk(const Run& run, const T* kc, const T* vc, const int32_t* block
     V16 mx = isa::set1(-INFINITY);
     for (int64_t j = 0; j < padded; j += 16) mx = isa::max_masked(mx, live(j), isa::loadu(s + j));
     // no live key here (a token shorter than the chunk's start): all-zero weights
-    const V16 m = isa::set1(n > 0 ? isa::reduce_max(mx) : 0.f);
+    const float top = n > 0 ? isa::reduce_max(mx) : 0.f;
+    const V16 m = isa::set1(top);
     V16 sum = isa::zero();
     for (int64_t j = 0; j < padded; j += 16) {
       const V16 e = isa::zero_unmasked(live(j), exp_nonpositive(isa::sub(isa::loadu(s + j), m)));
@@ -397,7 +398,7 @@ void attend_chunk(const Run& run, const T* kc, const T* vc, const int32_t* block
 #endif
       isa::storeu(s + j, e);
     }
-    outs[g][D] = n > 0 ? isa::reduce_max(mx) : -INFINITY;
+    outs[g][D] = n > 0 ? top : -INFINITY;
     outs[g][D + 1] = isa::reduce_add(sum);
   }
 #ifdef __AVX512BF16__
