@@ -270,6 +270,9 @@ void pv_all_bf16(const uint16_t* p, int64_t padded, int64_t n_rows,
 // (556 vs 344 keys per thread); SmolLM2 decode at 300-600 keys, Zen 4.
 constexpr int64_t kKeyChunk = 128;
 
+// The keys of the chunk starting at key k0 of a run that sees `keys` keys.
+inline int64_t chunk_keys(int64_t keys, int64_t k0) { return std::min(kKeyChunk, keys - k0); }
+
 // One vector's partial over one chunk: the unnormalised softmax-weighted sum of V (D
 // floats), then the max score m and the sum s of exp(score - m) over its live keys.
 inline int64_t partial_floats(int64_t D) { return D + 2; }
@@ -326,7 +329,7 @@ void attend_chunk(const Run& run, const T* kc, const T* vc, const int32_t* block
   constexpr bool kBf16Dots = false;
 #endif
   // This chunk's keys (the last token's, which sees the most), and each vector's live ones.
-  const int64_t len = std::min(kKeyChunk, total - first - k0), nv = run.rows * group;
+  const int64_t len = chunk_keys(total - first, k0), nv = run.rows * group;
   const int64_t chunks = CH > 0 ? CH : D / 16, padded = (len + 15) / 16 * 16;
   const int64_t stride = partial_floats(D);
   int64_t lens[kMaxGroup];
@@ -348,15 +351,14 @@ void attend_chunk(const Run& run, const T* kc, const T* vc, const int32_t* block
   // no hardware prefetcher follows that, and each row missed costs a DRAM round trip (the
   // KV of a long context does not stay in cache between layers). So each loop asks for
   // the rows it will read next (the keys of the next group of 16, the value 8 rows on)
-  // into L1; and first, all of this chunk's K and V rows into L2 (a no-op where the
-  // item before asked for them: see decode_impl).
+  // into L1; the caller has asked for all of the chunk's K and V rows into L2
+  // (prefetch_chunk, from decode_impl).
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   auto prefetch_row = [row_bytes](const T* row) {
     for (int64_t b = 0; b < row_bytes; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
   };
   for (int64_t j = 0; j < std::min<int64_t>(len, 16); ++j) prefetch_row(rows[j]);
-  prefetch_chunk(kc, to_value, blocks, at, len, block_size, kv_heads, head, D);
 #ifdef __AVX512BF16__
   if constexpr (kBf16Dots)
     scores_bf16<CH>(qp, run, head, group, nv, rows.data(), len, padded, scale, scores.data(),

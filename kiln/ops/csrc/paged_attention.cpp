@@ -49,11 +49,6 @@ struct Item {
   int32_t piece, head, chunk;
 };
 
-// An item's work in key-vector products, plus four per key for reading its rows.
-inline int64_t item_cost(const Piece& p, const Item& it, int64_t group) {
-  const int64_t keys = std::min(kKeyChunk, p.total - p.first - it.chunk * kKeyChunk);
-  return keys * (p.rows * group + 4);
-}
 
 // Decode items: `reqs` is [R, 2], (first entry, rows) per run of consecutive entries that
 // are consecutive query tokens of one request, each one longer than the last (the
@@ -84,7 +79,10 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
   const int64_t cap = window > 0 ? 1 : std::max<int64_t>(1, kMaxGroup / group);
   std::vector<Piece> pieces;
   std::vector<Item> items;
-  int64_t part_floats = 0;
+  // Work up to and including each item: key-vector products, plus four per key for
+  // reading its rows.
+  std::vector<int64_t> cost_upto;
+  int64_t part_floats = 0, cost = 0;
   for (int64_t i = 0; i < runs; ++i) {
     const int64_t n = req[2 * i + 1];
     for (int64_t r = 0; r < n; r += cap) {
@@ -95,7 +93,11 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
       pieces.push_back({e, rows, first, total, chunks, part_floats});
       part_floats += kv_heads * chunks * rows * group * partial_floats(D);
       for (int32_t h = 0; h < kv_heads; ++h)
-        for (int32_t k = 0; k < chunks; ++k) items.push_back({p, h, k});
+        for (int32_t k = 0; k < chunks; ++k) {
+          items.push_back({p, h, k});
+          cost += chunk_keys(total - first, k * kKeyChunk) * (rows * group + 4);
+          cost_upto.push_back(cost);
+        }
     }
   }
   // Reused across calls (this op runs on the caller's thread, one layer at a time).
@@ -123,34 +125,31 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
   }
   float* part_base = parts.data();
   int32_t* pend = pending.data();
-  // Contiguous runs of items per thread, cut where the work (keys x vectors, plus a
-  // per-key share for the loads) is halved, not where the item count is: a context's
-  // last chunk is short.
+  // Contiguous runs of items per thread, cut by work, not by item count (a context's
+  // last chunk is short): item i goes to the thread whose share holds its middle.
   const auto n_items = static_cast<int64_t>(items.size());
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   std::vector<int64_t> bounds(threads + 1, n_items);
   bounds[0] = 0;
-  {
-    int64_t total_cost = 0;
-    for (const Item& it : items) total_cost += item_cost(pieces[it.piece], it, group);
-    int64_t done = 0, t = 1;
-    for (int64_t i = 0; i < n_items && t < threads; ++i) {
-      const int64_t c = item_cost(pieces[items[i].piece], items[i], group);
-      while (t < threads && (2 * done + c) * threads >= 2 * t * total_cost) bounds[t++] = i;
-      done += c;
-    }
+  for (int64_t i = 0, t = 1; i < n_items && t < threads; ++i) {
+    const int64_t mid2 = cost_upto[i] + (i ? cost_upto[i - 1] : 0);  // twice the middle
+    while (t < threads && mid2 * threads >= 2 * t * cost) bounds[t++] = i;
   }
+  // An item's K and V rows into L2, all at once (their DRAM round trips overlap): a
+  // thread's first before it starts, each next one while the one before runs.
+  auto prefetch_item = [&](int64_t i) {
+    const Piece& pc = pieces[items[i].piece];
+    const int64_t k0 = items[i].chunk * kKeyChunk;
+    prefetch_chunk(kc, vc - kc, table + pc.entry * table_stride, pc.first + k0,
+                   chunk_keys(pc.total - pc.first, k0), block_size, kv_heads, items[i].head,
+                   D);
+  };
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> scores;
     std::vector<const T*> rows;
+    if (bounds[t_begin] < bounds[t_end]) prefetch_item(bounds[t_begin]);
     for (int64_t i = bounds[t_begin]; i < bounds[t_end]; ++i) {
-      if (i + 1 < bounds[t_end]) {  // the next item's K and V into L2 while this one runs
-        const Piece& nx = pieces[items[i + 1].piece];
-        const int64_t at = nx.first + items[i + 1].chunk * kKeyChunk;
-        prefetch_chunk(kc, vc - kc, table + nx.entry * table_stride, at,
-                       std::min(kKeyChunk, nx.total - at), block_size, kv_heads,
-                       items[i + 1].head, D);
-      }
+      if (i + 1 < bounds[t_end]) prefetch_item(i + 1);
       const Item it = items[i];
       const Piece& pc = pieces[it.piece];
       const int64_t tok = qsl[pc.entry], nv = pc.rows * group;
