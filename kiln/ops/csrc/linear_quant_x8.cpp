@@ -29,7 +29,7 @@ struct XQ8 {
   const int8_t* q;   // [M, K] int8
   const float* s;    // [M, K/32] scales
   const int32_t* sum;  // [M, K/32] sums of q (the Q8 kernel's correction; Q4: unused)
-  // The Q4 VNNI kernel's copy, laid out per tile of up to 8 rows (see tile_rows).
+  // The Q4 VNNI kernel's x, laid out per tile of up to 8 rows (see quantize_tiles).
   const int32_t* tq = nullptr;
   const float* ts = nullptr;
   const float* tsum = nullptr;
@@ -60,7 +60,7 @@ void q4_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
     for (int c = 0; c < kChains; ++c) g[m][c] = _mm512_setzero_si512();
   }
   const uint8_t* codes = static_cast<const uint8_t*>(a.codes) + nb * chunks * 256;
-  // This tile's x (tile_rows): every row's values at fixed offsets from three pointers.
+  // This tile's x (quantize_tiles): every row's values at fixed offsets from three pointers.
   const int32_t* xi = xq.tq + m0 * chunks * 8;
   const float* xs = xq.ts + m0 * chunks;
   const float* xm = xq.tsum + m0 * chunks;
@@ -93,29 +93,42 @@ void q4_vnni_direct(const QArgs& a, const XQ8& xq, int64_t m0, int64_t nb) {
   for (int m = 0; m < MR; ++m) store_out(a, m0 + m, nb * 16, finish(a, acc[m], nb * 16));
 }
 
-// x's int8 quads, scales and chunk sums (rows quantized by quantize_rows) re-laid per
-// tile of up to 8 rows (the tiles x8_gemm walks: rows m0.., MR = min(8, M - m0)), so the
-// kernel reaches row m of chunk kc at a fixed offset from one pointer per array:
+// x quantized as quantize_rows quantizes it (the same codes and scales), written with
+// its chunk sums per tile of up to 8 rows (the tiles x8_gemm walks: rows m0..,
+// MR = min(8, M - m0)), so the kernel reaches row m of chunk kc at a fixed offset from
+// one pointer per array:
 //   tq [kc][p][nibble][MR] int32, from m0 * chunks * 8 (the quad of k = 32kc + 4p + 16 nibble)
 //   ts, tsum [kc][MR] fp32, from m0 * chunks
 // With rows addressed through their own pointers, a tile of 5-8 rows spilled the
 // pointers to the stack inside the inner loop (Zen 4 perf annotate); this layout and the
 // shared nibble sums together took 30 layers of Q4 linears at 8 rows from 5.72 to 5.37 ms
 // (hot in cache: 1.19x), at 5 rows 4.26 to 4.05, at one row no change (2 threads).
-void tile_rows(const QArgs& a, const int8_t* q, const float* s, int32_t* tq, float* ts,
-               float* tsum) {
+// Quantizing straight into the tiles (a second, scalar pass re-laid quantize_rows'
+// output before) took a whole forward at 7 rows from 8.69 to 8.57 ms (Zen 4).
+void quantize_tiles(const QArgs& a, int32_t* tq, float* ts, float* tsum) {
   const int64_t chunks = a.K / 32;
-  for (int64_t m0 = 0; m0 < a.M; m0 += 8) {
-    const int64_t mr = std::min<int64_t>(8, a.M - m0);
-    int32_t* tile_q = tq + m0 * chunks * 8;
-    for (int64_t kc = 0; kc < chunks; ++kc)
-      for (int64_t m = 0; m < mr; ++m) {
-        const int64_t row = m0 + m, xc = row * chunks + kc;
-        for (int p = 0; p < 8; ++p)  // p = 2 * (k quad) + nibble
-          tile_q[(kc * 8 + p) * mr + m] = quad(q + row * a.K + kc * 32 + p / 2 * 4 + p % 2 * 16);
-        ts[m0 * chunks + kc * mr + m] = s[xc];
-        tsum[m0 * chunks + kc * mr + m] = a.xsum[xc];
-      }
+  // dword p of a tile's chunk is quad p / 2 of the chunk's first 16 codes (p even) or
+  // of its last 16 (p odd): dword p / 2 + 4 (p % 2) of the 32
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  alignas(32) int32_t d[8];
+  for (int64_t row = 0; row < a.M; ++row) {
+    const int64_t m0 = row / 8 * 8, mr = std::min<int64_t>(8, a.M - m0);
+    int32_t* dq = tq + m0 * chunks * 8 + (row - m0);
+    float* ds = ts + m0 * chunks + (row - m0);
+    float* dm = tsum + m0 * chunks + (row - m0);
+    for (int64_t kc = 0; kc < chunks; ++kc) {
+      const int64_t i = row * chunks + kc;
+      const V16 x0 = kiln_isa::loadu(a.xf + i * 32), x1 = kiln_isa::loadu(a.xf + i * 32 + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const V16 inv = kiln_isa::set1(amax > 0.f ? 127.f / amax : 0.f);
+      const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x0, inv)));
+      const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(kiln_isa::mul(x1, inv)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(d),
+                         _mm256_permutevar8x32_epi32(_mm256_set_m128i(q1, q0), order));
+      for (int p = 0; p < 8; ++p) dq[(kc * 8 + p) * mr] = d[p];
+      ds[kc * mr] = amax / 127.f;
+      dm[kc * mr] = a.xsum[i];
+    }
   }
 }
 
@@ -328,16 +341,16 @@ void x8_gemm(const QArgs& a, const XQ8& xq) {
 }  // namespace
 
 bool q4_x8_gemm(const QArgs& a) {
-  std::unique_ptr<int8_t[]> q(new int8_t[a.M * a.K]);
-  std::unique_ptr<float[]> s(new float[a.M * a.K / 32]);
-  quantize_rows(a, q.get(), s.get());
 #ifdef __AVX512VNNI__
   const int64_t n = a.M * a.K / 32;
   std::unique_ptr<int32_t[]> tq(new int32_t[n * 8]);
   std::unique_ptr<float[]> ts(new float[n]), tsum(new float[n]);
-  tile_rows(a, q.get(), s.get(), tq.get(), ts.get(), tsum.get());
-  x8_gemm(a, XQ8{q.get(), s.get(), nullptr, tq.get(), ts.get(), tsum.get()}, kQ4Direct);
+  quantize_tiles(a, tq.get(), ts.get(), tsum.get());
+  x8_gemm(a, XQ8{nullptr, nullptr, nullptr, tq.get(), ts.get(), tsum.get()}, kQ4Direct);
 #else
+  std::unique_ptr<int8_t[]> q(new int8_t[a.M * a.K]);
+  std::unique_ptr<float[]> s(new float[a.M * a.K / 32]);
+  quantize_rows(a, q.get(), s.get());
   x8_gemm(a, XQ8{q.get(), s.get(), nullptr});
 #endif
   return true;
