@@ -74,15 +74,19 @@ def test_ngram_token_bytes_follow_a_growing_sequence():
     assert p.propose(tokens, index=index) == p.propose(tokens)
 
 
-def test_ngram_draft_length_shrinks_after_a_rejection_and_grows_back():
-    """A step's outcome sets the next draft's limit: cut at position a -> a + 1 tokens,
-    taken whole -> twice as many, never past k."""
+def test_seeded_ngram_draft_length_shrinks_after_a_rejection_and_grows_back():
+    """A seeded random request's draft length depends on its own tokens alone (never on
+    measured step costs): cut at position a -> a + 1 tokens, taken whole -> twice as
+    many, never past k. Rows cost here as much as whole steps, and it still drafts."""
     from kiln.runner.model_runner import CachedRequestState
     from kiln.spec_decode.drafter import NgramDrafter
 
     drafter = NgramDrafter(SpeculativeConfig("ngram", 4, 1, 1))
+    for tokens in range(1, 6):
+        drafter.observe_step(tokens, float(tokens))
     prompt = [7, 1, 2, 3, 4, 5, 6, 8, 9, 7]  # lookup (1-grams) drafts what followed before
-    s = CachedRequestState("r", list(prompt), [[0]], 10, SamplingParams(), None, 10, (0,))
+    params = SamplingParams(temperature=1.0, seed=3)
+    s = CachedRequestState("r", list(prompt), [[0]], 10, params, None, 10, (0,))
 
     def step(emitted: list[int]) -> list[int]:  # accepted drafts, then the bonus token
         s.token_ids += emitted
@@ -95,6 +99,82 @@ def test_ngram_draft_length_shrinks_after_a_rejection_and_grows_back():
     assert step([7, 1, 5, 6, 8]) == [9, 7, 1, 5]  # all taken: stays at k
     assert step([3]) == [4]  # the first rejected: 1
     assert step([4, 5]) == [6, 8]  # taken: 2
+
+
+def test_draft_lengths_follow_measured_step_costs_and_learned_acceptance():
+    """Whole drafts while no step was measured or rows are nearly free; none where a row
+    costs as much as a step; a draft whose tokens keep being rejected is cut where it
+    stops paying, one whose tokens keep being accepted stays whole."""
+    from kiln.spec_decode.draft_length import AcceptanceStats, StepCosts, choose_lengths
+
+    stats, costs = AcceptanceStats(k=6), StepCosts()
+    chances = {"a": stats.cumulative(1, 6), "b": stats.cumulative(1, 3)}
+    assert choose_lengths(chances, 2, costs) == {"a": 6, "b": 3}  # nothing measured
+    for n in (2, 5, 11):
+        costs.observe(n, 1.0 + 0.001 * n)  # a GPU: rows nearly free
+    assert choose_lengths(chances, 2, costs) == {"a": 6, "b": 3}
+    costs = StepCosts()
+    for n in (1, 4, 8):
+        costs.observe(n, float(n))  # compute-bound: a row costs as much as a step
+    assert choose_lengths({"a": stats.cumulative(1, 6)}, 1, costs) == {"a": 0}
+    costs = StepCosts()
+    for n in (1, 7):
+        costs.observe(n, 1.0 + 0.05 * (n - 1))  # a row is 5% of a step
+    assert choose_lengths({"a": stats.cumulative(1, 6)}, 1, costs) == {"a": 6}
+    for _ in range(200):
+        stats.record(1, 6, 0)  # the first token always rejected: drafting does not pay
+        stats.record(2, 6, 6)  # long matches taken whole
+    assert stats.cumulative(1, 6)[0] < 0.05 < 0.9 < stats.cumulative(2, 6)[-1]
+    chances = {"a": stats.cumulative(1, 6), "b": stats.cumulative(2, 6)}
+    assert choose_lengths(chances, 2, costs) == {"a": 0, "b": 6}
+    assert costs.cost(4) == pytest.approx(1.15) and costs.cost(13) == pytest.approx(1.6)
+
+
+def test_decode_step_timer_times_only_back_to_back_decode_steps():
+    """A step is timed from its start to the next one's, and only where both are decode
+    steps (one token per request plus drafts): not across a prefill or an idle gap."""
+    from types import SimpleNamespace
+
+    from kiln.spec_decode.draft_length import DecodeStepTimer
+
+    seen: list[tuple[int, float]] = []
+    timer = DecodeStepTimer(lambda n, s: seen.append((n, s)))
+
+    def step(scheduled: dict[str, int], drafts: dict[str, list[int]]) -> None:
+        timer.start(SimpleNamespace(num_scheduled_tokens=scheduled, is_empty=not scheduled,
+                                    total_num_scheduled_tokens=sum(scheduled.values()),
+                                    scheduled_spec_decode_tokens=drafts))
+
+    step({"a": 3, "b": 1}, {"a": [5, 6]})  # decode with drafts: 4 tokens
+    step({"a": 1, "b": 1}, {})  # decode: times the last one
+    step({"a": 1, "c": 40}, {})  # a prefill comes in: the last decode is not timed
+    step({"a": 1, "c": 1}, {})
+    step({}, {})  # nothing to run
+    step({"a": 1}, {})
+    assert [n for n, _ in seen] == [4] and seen[0][1] >= 0
+
+
+def test_ngram_drafter_stops_drafting_where_rows_cost_whole_steps():
+    """Greedy requests: once steps are measured to cost in proportion to their tokens
+    and drafts keep failing, the drafter proposes none (every 64th step still drafts
+    whole, to measure again)."""
+    from kiln.runner.model_runner import CachedRequestState
+    from kiln.spec_decode.drafter import EXPLORE_EVERY, NgramDrafter
+
+    drafter = NgramDrafter(SpeculativeConfig("ngram", 4, 2, 2))
+    prompt = [5, 6, 1, 2, 3, 4, 5, 6]  # the suffix 5 6 matches: drafts 1 2 3 4
+    s = CachedRequestState("r", list(prompt), [[0]], 8, SamplingParams(temperature=0.0),
+                           None, 8, (0,))
+    assert drafter.propose([], [s]) == {"r": [1, 2, 3, 4]}  # nothing measured yet
+    for n in range(1, 6):
+        drafter.observe_step(n, 0.01 * n)
+    got = []
+    for _ in range(2 * EXPLORE_EVERY):
+        # Every step sees the prompt again; to the drafter its draft (if any) was then
+        # verified with nothing accepted (no token past where it proposed).
+        s.spec_token_ids = drafter.propose([], [s]).get("r", [])
+        got.append(len(s.spec_token_ids))
+    assert got.count(4) <= 3 and got[-EXPLORE_EVERY:].count(0) >= EXPLORE_EVERY - 1
 
 
 def test_greedy_ngram_equals_plain_decoding_under_preemption_and_prefix_hits(plain):

@@ -44,6 +44,7 @@ from kiln.sampling import Sampler, SamplingParams
 from kiln.runner.sample_step import sample_step
 from kiln.scheduler import ModelRunnerOutput, SchedulerOutput
 from kiln.spec_decode import SpeculativeConfig
+from kiln.spec_decode.draft_length import DecodeStepTimer
 from kiln.spec_decode.drafter import make_drafter
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,8 @@ class ModelRunner:
             self.capture_model(progress)
         self.drafter = None if speculative is None else make_drafter(
             speculative, self, draft_model_config, compilation, attention_backend, progress)
+        self._step_timer = None if self.drafter is None else DecodeStepTimer(
+            self.drafter.observe_step)
         # The worker side of the KV connector, over this rank's cache layout.
         self.kv_connector = None if kv_transfer is None else connector_for(
             kv_transfer[0], KVConnectorRole.WORKER, kv_transfer[1], self.kv_spec,
@@ -229,6 +232,8 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self._step_timer is not None:
+            self._step_timer.start(so)
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])

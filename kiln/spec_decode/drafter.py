@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import torch
 
 from kiln.spec_decode.config import SpeculativeConfig
+from kiln.spec_decode.draft_length import AcceptanceStats, StepCosts, choose_lengths
 from kiln.spec_decode.ngram import NgramProposer, TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -27,50 +28,82 @@ class Drafter(Protocol):
     def propose(self, rows: Sequence[StepRow], states: Sequence[CachedRequestState]
                 ) -> dict[str, list[int]]: ...
 
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode step of `num_tokens` tokens (one per request and its drafts) took
+        `seconds`, from its start to the next step's (ModelRunner._time_decode_steps)."""
+
+
+# Every this many steps an n-gram draft is proposed whole, whatever the costs say: the
+# step costs of longer drafts are measured again (the host's load changes).
+EXPLORE_EVERY = 64
+
 
 class NgramDrafter:
     """Prompt lookup on each request's own tokens; costs no forward.
 
-    Draft length adapts per request, within num_speculative_tokens (k): after a draft was
-    cut short at position a, the next one has at most a + 1 tokens; after one was taken
-    whole, the limit doubles back towards k. Each draft token is a row of the verify
-    forward: where the text stops following its source, a long draft mostly pays for
-    rows that are thrown away, while a copy in progress keeps drafting k."""
+    Each request's draft is the lookup's continuation, cut where the tokens stop paying
+    for their verification rows (draft_length: the step costs measured here, the chances
+    of acceptance learned per match length). A request with a seed and random sampling
+    instead keeps a rule that depends on its own tokens alone, so that its output does
+    not depend on the host's timing: after a draft was cut short at position a, the next
+    one has at most a + 1 tokens; after one was taken whole, the limit doubles back
+    towards k."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
-        self._limit: dict[str, int] = {}  # req_id -> its next draft's length limit
+        self.costs = StepCosts()
+        self.stats = AcceptanceStats(self.k)
+        self._steps = 0
+        self._limit: dict[str, int] = {}  # seeded req_id -> its next draft's length limit
         self._proposed_at: dict[str, int] = {}  # req_id -> len(token_ids) at its last draft
+        self._bucket: dict[str, int] = {}  # req_id -> its last draft's match-length bucket
         self._tokens: dict[str, TokenBytes] = {}  # req_id -> its tokens, for the search
 
-    def _next_limit(self, s: CachedRequestState) -> int:
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.costs.observe(num_tokens, seconds)
+
+    def _learn(self, s: CachedRequestState) -> int:
+        """Records the outcome of the request's last draft (as the scheduler cut it);
+        returns the seeded rule's limit for its next one."""
         limit = self._limit.get(s.req_id, self.k)
         start = self._proposed_at.get(s.req_id)
-        verified = len(s.spec_token_ids)  # drafts this step checked, as the scheduler cut them
-        if verified and start is not None:
+        verified = len(s.spec_token_ids)
+        bucket = self._bucket.get(s.req_id)
+        if verified and start is not None and bucket is not None:
             # The step appended its accepted drafts and one more token (bonus or correction).
-            accepted = len(s.token_ids) - start - 1
+            accepted = min(verified, max(0, len(s.token_ids) - start - 1))
+            self.stats.record(bucket, verified, accepted)
             limit = min(self.k, 2 * limit) if accepted >= verified else accepted + 1
         return limit
 
     def propose(self, rows: Sequence[StepRow], states: Sequence[CachedRequestState]
                 ) -> dict[str, list[int]]:
-        drafts = {}
-        limits = {}
-        tokens = {}
+        drafts, limits, tokens, buckets = {}, {}, {}, {}
         for s in states:
-            limits[s.req_id] = limit = self._next_limit(s)
+            limit = self._learn(s)
             tokens[s.req_id] = index = self._tokens.get(s.req_id) or TokenBytes()
-            d = self.proposer.propose(s.token_ids, limit, index)
+            seeded = s.sampling_params.seed is not None and not s.sampling_params.is_greedy
+            if seeded:
+                limits[s.req_id] = limit
+            d, n = self.proposer.lookup(s.token_ids, limit if seeded else self.k, index)
             if d:
                 drafts[s.req_id] = d
-        # Only requests that sampled this step are kept: the others start again at k (and
+                buckets[s.req_id] = self.stats.bucket(n)
+        self._steps += 1
+        free = [rid for rid in drafts if rid not in limits]
+        if free and self._steps % EXPLORE_EVERY:
+            fixed = len(states) + sum(len(d) for rid, d in drafts.items() if rid in limits)
+            chances = {rid: self.stats.cumulative(buckets[rid], len(drafts[rid]))
+                       for rid in free}
+            for rid, n in choose_lengths(chances, fixed, self.costs).items():
+                drafts[rid] = drafts[rid][:n]
+        # Only requests that sampled this step are kept: the others start again (and
         # rebuild their token bytes).
-        self._limit, self._tokens = limits, tokens
+        self._limit, self._tokens, self._bucket = limits, tokens, buckets
         self._proposed_at = {s.req_id: len(s.token_ids) for s in states}
-        return drafts
+        return {rid: d for rid, d in drafts.items() if d}
 
 
 class DraftModelDrafter:
@@ -88,6 +121,9 @@ class DraftModelDrafter:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
         self.k = config.num_speculative_tokens
         self.runner = runner
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        pass  # drafts whole: its k - 1 forwards cost the same whatever is accepted
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[StepRow], states: Sequence[CachedRequestState]

@@ -59,15 +59,20 @@ class NgramProposer:
                 index: TokenBytes | None = None) -> list[int]:
         """Up to `k` (default: the configured k) draft tokens; [] when nothing matches.
         `index`: the sequence's TokenBytes, kept by the caller across steps."""
+        return self.lookup(token_ids, k, index)[0]
+
+    def lookup(self, token_ids: Sequence[int], k: int | None = None,
+               index: TokenBytes | None = None) -> tuple[list[int], int]:
+        """propose's draft and the length of the suffix it matched (0: no match)."""
         k = self.k if k is None else k
         total = len(token_ids)
         if k <= 0 or total <= self.lookup_min:
-            return []
+            return [], 0
         if index is None:
             index = TokenBytes()
         index.sync(token_ids)
         for n in range(min(self.lookup_max, total - 1), self.lookup_min - 1, -1):
             end = index.latest_end(n)
             if end >= 0:
-                return list(token_ids[end + 1: end + 1 + k])
-        return []
+                return list(token_ids[end + 1: end + 1 + k]), n
+        return [], 0
