@@ -30,7 +30,7 @@ class Drafter(Protocol):
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A decode step of `num_tokens` tokens (one per request and its drafts) took
-        `seconds`, from its start to the next step's (ModelRunner._time_decode_steps)."""
+        `seconds`, from its start to the next step's (draft_length.DecodeStepTimer)."""
 
 
 # Every this many steps an n-gram draft is proposed whole, whatever the costs say: the
