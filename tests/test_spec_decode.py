@@ -18,8 +18,11 @@ from kiln.sampling.sampler import SamplerOutput
 from kiln.spec_decode import NgramProposer, SpeculativeConfig, parse_speculative_config
 from kiln.spec_decode.rejection import DraftRows, verify
 
+# Drafts by the requests' tokens alone: these tests need drafts to be made (and some to
+# be accepted) whatever the host's timing; the measured-cost default is tested below and
+# on SmolLM2 (test_spec_smollm2.py).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "draft_length": "deterministic"}
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # Repetitive prompts (the drafts find matches), a shared prefix (prefix-cache hits) and a
 # long one (chunked prefill under a small token budget).
@@ -74,18 +77,23 @@ def test_ngram_token_bytes_follow_a_growing_sequence():
     assert p.propose(tokens, index=index) == p.propose(tokens)
 
 
-def test_seeded_ngram_draft_length_shrinks_after_a_rejection_and_grows_back():
-    """A seeded random request's draft length depends on its own tokens alone (never on
-    measured step costs): cut at position a -> a + 1 tokens, taken whole -> twice as
-    many, never past k. Rows cost here as much as whole steps, and it still drafts."""
+@pytest.mark.parametrize("draft_length,params", [
+    ("cost", SamplingParams(temperature=1.0, seed=3)),  # seeded: always by its tokens
+    ("deterministic", SamplingParams(temperature=0.0)),
+])
+def test_token_rule_draft_length_shrinks_after_a_rejection_and_grows_back(draft_length,
+                                                                          params):
+    """A seeded random request's draft length (every request's with draft_length
+    "deterministic") depends on its own tokens alone, never on measured step costs: cut
+    at position a -> a + 1 tokens, taken whole -> twice as many, never past k. Rows cost
+    here as much as whole steps, and it still drafts."""
     from kiln.runner.model_runner import CachedRequestState
     from kiln.spec_decode.drafter import NgramDrafter
 
-    drafter = NgramDrafter(SpeculativeConfig("ngram", 4, 1, 1))
+    drafter = NgramDrafter(SpeculativeConfig("ngram", 4, 1, 1, draft_length=draft_length))
     for tokens in range(1, 6):
         drafter.observe_step(tokens, float(tokens))
     prompt = [7, 1, 2, 3, 4, 5, 6, 8, 9, 7]  # lookup (1-grams) drafts what followed before
-    params = SamplingParams(temperature=1.0, seed=3)
     s = CachedRequestState("r", list(prompt), [[0]], 10, params, None, 10, (0,))
 
     def step(emitted: list[int]) -> list[int]:  # accepted drafts, then the bonus token
@@ -344,6 +352,10 @@ def test_engine_sampling_with_drafts_matches_transformers_distribution(tmp_path)
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
       "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_length": "fixed"},
+     "draft_length"),
+    ({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+      "draft_length": "deterministic"}, "draft_length"),
     ("{not json", "JSON"),
 ])
 def test_bad_speculative_config_names_the_field(value, field):
@@ -354,7 +366,7 @@ def test_bad_speculative_config_names_the_field(value, field):
 def test_config_defaults_and_json():
     cfg = parse_speculative_config(json.dumps({"method": "ngram",
                                                "num_speculative_tokens": 3}))
-    assert cfg == SpeculativeConfig("ngram", 3, 2, 5)
+    assert cfg == SpeculativeConfig("ngram", 3, 2, 5) and cfg.draft_length == "cost"
     assert SpeculativeConfig("ngram", 2, prompt_lookup_max=2).prompt_lookup_min == 2
 
 

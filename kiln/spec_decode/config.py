@@ -13,6 +13,7 @@ from typing import Any
 from kiln.config import config_fields
 
 METHODS = ("ngram", "draft_model")
+DRAFT_LENGTHS = ("cost", "deterministic")
 # Prompt lookup matches at least this many tokens by default. One-token matches hit by
 # chance in free text, and each false draft costs verification work for nothing; two
 # tokens drafted more of a text being copied than three did, at no cost to chat
@@ -30,6 +31,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram only
     prompt_lookup_max: int | None = None  # ngram only
     model: str | None = None  # draft_model only
+    # ngram only: "cost" cuts each draft where its tokens stop paying for their rows
+    # (step costs measured on the host, acceptance learned: draft_length.py); with
+    # "deterministic" a draft's length depends on its request's own tokens alone (what
+    # seeded random requests always get), so that runs repeat draft for draft.
+    draft_length: str = "cost"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -46,6 +52,12 @@ class SpeculativeConfig:
                              "'draft_model': give the draft checkpoint's path")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model is only for method 'draft_model'")
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"speculative_config.draft_length={self.draft_length!r} is "
+                             f"unknown; use one of {', '.join(DRAFT_LENGTHS)}")
+        if self.method != "ngram" and self.draft_length != "cost":
+            raise ValueError("speculative_config.draft_length is only for method 'ngram' "
+                             "(a draft model drafts num_speculative_tokens every step)")
 
     def _check_lookup(self) -> None:
         lo = self.prompt_lookup_min
@@ -74,7 +86,8 @@ class SpeculativeConfig:
         verification is a batch shape that the token-range builds already cover."""
         if self.method == "ngram":
             return (f"ngram k={self.num_speculative_tokens} lookup "
-                    f"{self.prompt_lookup_min}..{self.prompt_lookup_max}")
+                    f"{self.prompt_lookup_min}..{self.prompt_lookup_max}, "
+                    f"{self.draft_length} draft lengths")
         return f"draft_model k={self.num_speculative_tokens} ({self.model})"
 
 

@@ -45,18 +45,19 @@ class NgramDrafter:
     for their verification rows (draft_length: the step costs measured here, the chances
     of acceptance learned per match length). A request with a seed and random sampling
     instead keeps a rule that depends on its own tokens alone, so that its output does
-    not depend on the host's timing: after a draft was cut short at position a, the next
-    one has at most a + 1 tokens; after one was taken whole, the limit doubles back
-    towards k."""
+    not depend on the host's timing (every request does with draft_length
+    "deterministic"): after a draft was cut short at position a, the next one has at
+    most a + 1 tokens; after one was taken whole, the limit doubles back towards k."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
+        self.by_cost = config.draft_length == "cost"
         self.costs = StepCosts()
         self.stats = AcceptanceStats(self.k)
         self._steps = 0
-        self._limit: dict[str, int] = {}  # seeded req_id -> its next draft's length limit
+        self._limit: dict[str, int] = {}  # req_id -> its token rule's next limit
         self._proposed_at: dict[str, int] = {}  # req_id -> len(token_ids) at its last draft
         self._bucket: dict[str, int] = {}  # req_id -> its last draft's match-length bucket
         self._tokens: dict[str, TokenBytes] = {}  # req_id -> its tokens, for the search
@@ -66,7 +67,7 @@ class NgramDrafter:
 
     def _learn(self, s: CachedRequestState) -> int:
         """Records the outcome of the request's last draft (as the scheduler cut it);
-        returns the seeded rule's limit for its next one."""
+        returns the token rule's limit for its next one."""
         limit = self._limit.get(s.req_id, self.k)
         start = self._proposed_at.get(s.req_id)
         verified = len(s.spec_token_ids)
@@ -84,10 +85,11 @@ class NgramDrafter:
         for s in states:
             limit = self._learn(s)
             tokens[s.req_id] = index = self._tokens.get(s.req_id) or TokenBytes()
-            seeded = s.sampling_params.seed is not None and not s.sampling_params.is_greedy
-            if seeded:
+            params = s.sampling_params
+            by_tokens = not self.by_cost or (params.seed is not None and not params.is_greedy)
+            if by_tokens:
                 limits[s.req_id] = limit
-            d, n = self.proposer.lookup(s.token_ids, limit if seeded else self.k, index)
+            d, n = self.proposer.lookup(s.token_ids, limit if by_tokens else self.k, index)
             if d:
                 drafts[s.req_id] = d
                 buckets[s.req_id] = self.stats.bucket(n)
