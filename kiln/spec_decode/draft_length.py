@@ -110,10 +110,11 @@ def choose_lengths(chances: dict[str, list[float]], fixed_tokens: int,
     """Draft lengths for the requests in `chances` (req_id -> P_1..P_n of its full draft;
     decreasing), next to `fixed_tokens` tokens the step runs anyway (a token per
     request, and drafts not chosen here). Whole drafts while no cost is known yet."""
-    if costs.cost(fixed_tokens) is None:
+    base = costs.cost(fixed_tokens)
+    if base is None:
         return {rid: len(p) for rid, p in chances.items()}
     expected, tokens = float(fixed_tokens), fixed_tokens
-    best = expected / max(costs.cost(tokens), 1e-9)
+    best = expected / max(base, 1e-9)
     heap = [(-p[0], rid, 0) for rid, p in chances.items() if p]
     heapq.heapify(heap)
     taken: list[str] = []  # the order draft tokens were added in
