@@ -32,7 +32,11 @@ run: $(STAMP)
 # are built once: most of the suite waits on single-threaded Python (Dynamo, Inductor's
 # code generation, subprocesses), and two workers took a cold run on 2 cores from 15:11
 # to 12:43.
+# First the house's contracts (docs/architecture.md): the import-linter layers in
+# pyproject.toml, and no import circle among kiln's modules (lazy imports counted).
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(PY) scripts/import_cycles.py
 	$(KILN) warmup -O2 --dtype float32 --quantization none > $(VENV)/warmup-float32.log 2>&1 & fp32=$$!; \
 	$(KILN) warmup -O2; rc=$$?; \
 	if wait $$fp32; then tail -n 6 $(VENV)/warmup-float32.log; \

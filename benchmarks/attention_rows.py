@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from attention_batches import make_batch  # noqa: E402
-from kiln.attention import AttentionLayerSpec  # noqa: E402
+from kiln.attention.backend import AttentionLayerSpec  # noqa: E402
 from kiln.attention.backends.cpu_paged import CpuPagedBackend  # noqa: E402
-from kiln.compiler import default_cache_root  # noqa: E402
+from kiln.compiler.cache import default_cache_root  # noqa: E402
 from kiln.ops import cpu_kernels  # noqa: E402
 
 LAYERS = 30

@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from kiln.compiler import default_cache_root
+from kiln.compiler.cache import default_cache_root
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear, linear_quant, pack
-from kiln.quantization.packing import pack_q4, pack_q8, quantize_int8
+from kiln.ops.quant_packing import pack_q4, pack_q8, quantize_int8
 from kiln.quantization.plan import layer_panel_from
 from kiln.runner.huge_pages import move_weights_to_huge_pages
 

@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch
 
-from kiln.attention import AttentionLayerSpec, AttentionMetadata
-from kiln.attention.backends import TorchPagedBackend, TritonPagedBackend
+from kiln.attention.backend import AttentionLayerSpec, AttentionMetadata
+from kiln.attention.backends.torch_paged import TorchPagedBackend
+from kiln.attention.backends.triton_paged import TritonPagedBackend
 
 
 def decode_batch(batch: int, context: int, spec: AttentionLayerSpec, block_size: int,
@@ -105,7 +106,7 @@ def main() -> None:
 
 
 def sweep(spec, inputs, args, graph: bool) -> None:
-    from kiln.attention.kernels import sweep_space
+    from kiln.attention.kernels.attention_kernel import sweep_space
 
     results = []
     for cfg in sweep_space(spec.num_heads // spec.num_kv_heads):

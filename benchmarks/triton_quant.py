@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops import triton_quant
-from kiln.quantization.packing import (dequantize, pack_q4, quantize_fp8,
-                                       quantize_int8_groups)
+from kiln.ops.quant_packing import dequantize, pack_q4, quantize_fp8, quantize_int8_groups
 
 # SmolLM2-135M: fused qkv, o, fused gate|up, down ([N, K]).
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

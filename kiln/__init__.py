@@ -1,10 +1,15 @@
-"""kiln: a compiler-centric LLM inference engine."""
-from kiln.engine import CompletionOutput, LLMEngine, RequestOutput  # isort: skip
-from kiln.config import EngineConfig
-from kiln.entrypoints.llm import LLM
-from kiln.lora import LoRARequest
-from kiln.sampling import SamplingParams
+"""kiln: a compiler-centric LLM inference engine.
 
-__version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest",
-           "RequestOutput", "SamplingParams", "__version__"]
+The public names load on first use (PEP 562): `import kiln.platforms` or `kiln.envs`
+imports nothing else of kiln.
+"""
+from kiln.exports import lazy_exports
+from kiln.version import __version__
+
+__getattr__, __dir__, _names = lazy_exports(__name__, {
+    "CompletionOutput": "engine.outputs", "EngineConfig": "config.engine",
+    "LLM": "entrypoints.llm", "LLMEngine": "engine.llm_engine",
+    "LoRARequest": "lora.request", "RequestOutput": "engine.outputs",
+    "SamplingParams": "sampling.params",
+})
+__all__ = [*_names, "__version__"]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from kiln.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
 
 @dataclass

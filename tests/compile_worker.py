@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from kiln import LLM, SamplingParams
-from kiln.compiler import compilation_counter
+from kiln.compiler.counter import compilation_counter
 
 PROMPTS = [[5, 9, 13, 200, 7], [100, 3, 44], list(range(3, 40))]
 

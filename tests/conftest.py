@@ -48,7 +48,7 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0) -> transformers.PreTra
 def cpu_kernels_loaded() -> None:
     """kiln's C++ CPU kernels, built (once per cache) and loaded; skips where this host
     cannot have them (no AVX2 or no compiler), where the engine falls back too."""
-    from kiln.compiler import default_cache_root
+    from kiln.compiler.cache import default_cache_root
     from kiln.ops import cpu_kernels
 
     if not cpu_kernels.ensure_loaded(default_cache_root()):
@@ -83,7 +83,7 @@ def assert_exact_under_pressure(llm, prompts: list[list[int]], params, refs: lis
     """Greedy outputs equal `refs` while prefix-cache hits and preemption happen (the
     caller sizes the cache and shares a prefix); a compiled engine compiles nothing
     while serving."""
-    from kiln.compiler import compilation_counter
+    from kiln.compiler.counter import compilation_counter
 
     before = compilation_counter.clone()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -93,7 +93,7 @@ class Server:
 
 def start_server(model_dir: Path, log_path: Path, *extra: str) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "kiln.entrypoints.cli", "serve", str(model_dir),
+    cmd = [sys.executable, "-m", "kiln.cli.main", "serve", str(model_dir),
            *ENGINE_FLAGS, "--port", str(port), "--api-key", API_KEY,
            "--served-model-name", MODEL_NAME, *extra]
     log = open(log_path, "w")

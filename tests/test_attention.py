@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.attention import AttentionLayerSpec, AttentionMetadata
-from kiln.attention.backends import TorchPagedBackend
+from kiln.attention.backend import AttentionLayerSpec, AttentionMetadata
+from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
-from kiln.forward_context import ForwardContext, get_forward_context, set_forward_context
+from kiln.attention.forward_context import (ForwardContext, get_forward_context,
+                                            set_forward_context)
 
 
 def dense_reference(q, k, v, scale):
@@ -101,7 +102,7 @@ def test_forward_context_refuses_nesting_and_absence():
 
 def test_attention_op_is_opaque_to_dynamo():
     """Dynamo records the op as one node and never traces into the backend."""
-    from kiln.attention import Attention
+    from kiln.attention.layer import Attention
 
     layer = Attention(4, 2, 8, 8 ** -0.5, layer_index=0)
     seen = []

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.entrypoints.cli import main
+from kiln.cli.main import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SUMMARY = {"n", "mean", "min", "p50", "p90", "p99", "max"}
@@ -81,8 +81,9 @@ def test_throughput(tiny, tmp_path):
 
 
 def test_kernels_pick_fastest_and_write_tuning_table(tiny, tmp_path, monkeypatch):
-    from kiln.bench import cases, lookup
-    from kiln.bench.report import device_name
+    from kiln.bench import cases
+    from kiln.ops.tuning import lookup
+    from kiln.platforms import device_name
 
     # A wrong candidate is reported and never chosen.
     monkeypatch.setitem(cases._EXTRA, "rms_norm",
@@ -119,10 +120,11 @@ def test_kernels_pick_fastest_and_write_tuning_table(tiny, tmp_path, monkeypatch
 
 
 def test_tuning_table_steers_backend_selection(tmp_path, monkeypatch, caplog):
-    from kiln.attention import BACKENDS, select_backend
+    from kiln.attention.selector import BACKENDS, select_backend
     from kiln.attention.backends.torch_paged import TorchPagedBackend
-    from kiln.bench.report import device_name
-    from kiln.bench.tuning import merge_into, shape_key
+    from kiln.platforms import device_name
+    from kiln.bench.tuning import merge_into
+    from kiln.ops.tuning import shape_key
 
     class Tuned(TorchPagedBackend):
         name = "tuned"
@@ -248,7 +250,7 @@ def test_serve_against_kiln_serve(tiny, tmp_path):
 
     port = _free_port()
     # The tiny model has no tokenizer: the benchmark sends token-id prompts.
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.entrypoints.cli", "serve", tiny,
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "serve", tiny,
                              "--host", "127.0.0.1", "--port", str(port), "-O0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

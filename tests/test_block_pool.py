@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.scheduler import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from kiln.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def test_null_block_is_reserved():

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def kiln(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], input=stdin,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -57,7 +57,7 @@ def test_generate_with_a_lora_adapter(smollm2_dir, tmp_path, capsys):
     from server_utils import make_tiny_chat_model
 
     from kiln import LLM, LoRARequest, SamplingParams
-    from kiln.entrypoints.cli import main
+    from kiln.cli.main import main
 
     model_dir = make_tiny_chat_model(tmp_path / "model", smollm2_dir)
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

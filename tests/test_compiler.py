@@ -11,10 +11,11 @@ import torch
 
 from conftest import hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
-from kiln.attention import AttentionMetadata
-from kiln.compiler import Range, compilation_counter
+from kiln.attention.backend import AttentionMetadata
+from kiln.compiler.piecewise import Range
+from kiln.compiler.counter import compilation_counter
 from kiln.compiler.piecewise import PiecewiseBackend
-from kiln.forward_context import ForwardContext, set_forward_context
+from kiln.attention.forward_context import ForwardContext, set_forward_context
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

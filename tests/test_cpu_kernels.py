@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from attention_batches import make_batch, random_shapes, run_backend
-from kiln.attention import AttentionLayerSpec
-from kiln.attention.backends import TorchPagedBackend
+from kiln.attention.backend import AttentionLayerSpec
+from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.selector import select_backend
 from kiln.ops import cpu_kernels
-from kiln.ops.linear import linear, pack, pack_linears
+from kiln.ops.linear import linear, pack
+from kiln.models.packing import pack_linears
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_loaded")
 
@@ -70,7 +71,8 @@ def test_linear_packed_handles_leading_dims_and_empty_batches():
 
 
 def test_pack_linears_frees_untied_weights_and_keeps_outputs(tiny_models):
-    from kiln.models import ModelConfig, build_model
+    from kiln.models.model_config import ModelConfig
+    from kiln.models.loader import build_model
 
     path, _ = tiny_models["llama-tied"]
     mc = ModelConfig.from_pretrained(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.engine.detokenizer import IncrementalDetokenizer
-from kiln.engine.setup import load_tokenizer
+from kiln.engine.startup import load_tokenizer
 
 TEXTS = ["Hello, world! Ceci n'est pas une pipe.", "温度是摄氏25度。", "emoji: 🔥🏺 done",
          "  leading spaces\nand\ttabs"]

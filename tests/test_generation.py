@@ -7,11 +7,11 @@ import torch
 
 from conftest import random_prompts
 from kiln import LLM, SamplingParams
-from kiln.config import EngineConfig
-from kiln.engine import LLMEngine
+from kiln.config.engine import EngineConfig
+from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.output_text import OutputText
-from kiln.sampling import RequestOutputKind
+from kiln.sampling.params import RequestOutputKind
 
 QUESTION = [{"role": "user", "content": "Describe a kiln in two sentences."}]
 
@@ -120,7 +120,7 @@ def test_streamed_deltas_concatenate_and_never_show_cut_text(llm, prompt, greedy
 @pytest.mark.parametrize("stop,expect", [("🏺", "emoji: 🔥"), ("摄氏2", "温度是"),
                                          ("é d", "emoji: 🔥🏺 done, caf")])
 def test_multibyte_text_and_stop_strings(smollm2_dir, stop, expect):
-    from kiln.engine.setup import load_tokenizer
+    from kiln.engine.startup import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
     text = "温度是摄氏25度。" if stop == "摄氏2" else "emoji: 🔥🏺 done, café des arts"

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from kiln.models import model_source
 from kiln.models.gguf_convert import convert_gguf
-from kiln.models.model_source import DEFAULT_MODEL, default_gguf_path, kiln_home, resolve_model
+from kiln.models.model_source import default_gguf_path, DEFAULT_MODEL, resolve_model
+from kiln.envs import kiln_home
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

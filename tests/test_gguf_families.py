@@ -143,7 +143,7 @@ def test_gguf_q8_attention_runs_natively_without_a_rope_permutation(family_check
                                                                     tmp_path, monkeypatch):
     """Q/K rows of these files are in Hugging Face order (NEOX RoPE): the native path
     must not un-permute them. Expert stacks (Q8_0 here too) load dequantized."""
-    from kiln.quantization.packing import Q8
+    from kiln.ops.quant_packing import Q8
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
     src, _ = family_checkpoints[kind]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.attention import AttentionCGSupport as S
-from kiln.forward_context import BatchDescriptor as BD
-from kiln.graphs import (CUDAGraphMode as M, GraphDispatcher, default_capture_sizes,
-                         lower_for_attention, validate_capture_sizes)
+from kiln.attention.backend import AttentionCGSupport as S
+from kiln.attention.forward_context import BatchDescriptor as BD
+from kiln.config.compilation import (CUDAGraphMode as M, default_capture_sizes,
+                                     validate_capture_sizes)
+from kiln.graphs.dispatcher import GraphDispatcher
+from kiln.graphs.mode import lower_for_attention
 
 SIZES = [1, 2, 4, 8, 16]
 

@@ -10,10 +10,12 @@ import torch
 from conftest import hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
 from kiln.attention.backends.torch_paged import TorchPagedBackend
-from kiln.attention import AttentionCGSupport
-from kiln.forward_context import BatchDescriptor as BD, ForwardContext, get_forward_context, \
-    set_forward_context
-from kiln.graphs import CpuTestGraph, CUDAGraphMode as M, CUDAGraphWrapper, capture_phase
+from kiln.attention.backend import AttentionCGSupport
+from kiln.attention.forward_context import (BatchDescriptor as BD, ForwardContext,
+                                            get_forward_context, set_forward_context)
+from kiln.graphs.graph import CpuTestGraph
+from kiln.config.compilation import CUDAGraphMode as M
+from kiln.graphs.wrapper import capture_phase, CUDAGraphWrapper
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

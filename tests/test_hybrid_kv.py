@@ -11,18 +11,22 @@ import transformers
 from attention_batches import (dense_reference, make_batch, poison_out_of_window,
                                random_shapes, run_backend, windowed)
 from conftest import TINY, assert_exact_under_pressure, hf_greedy, random_prompts
+from kiln.platforms.cpu import CpuPlatform
 from kiln import LLM, SamplingParams
-from kiln.attention import AttentionLayerSpec, selector
-from kiln.attention.backends import TorchPagedBackend, TritonPagedBackend
+from kiln.attention.backend import AttentionLayerSpec
+from kiln.attention import selector
+from kiln.attention.backends.torch_paged import TorchPagedBackend
+from kiln.attention.backends.triton_paged import TritonPagedBackend
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
-from kiln.attention.kernels import interpreter_reason
+from kiln.ops.triton_runtime import interpreter_reason
 from kiln.bench.hybrid_kv import measure_kv_blocks
-from kiln.engine.request import Request
-from kiln.sampling import SamplingParams as Params
-from kiln.scheduler import (BlockHasher, FullAttentionSpec, KVCacheGroupSpec, KVCacheManager,
-                            KVCacheSpec, SlidingWindowSpec, group_layers)
-from kiln.scheduler.single_type_manager import (SlidingWindowManager, group_hash,
-                                                manager_class)
+from kiln.request import Request
+from kiln.sampling.params import SamplingParams as Params
+from kiln.kv_cache.block_hash import BlockHasher
+from kiln.kv_cache.kv_cache_spec import (FullAttentionSpec, group_layers, KVCacheGroupSpec,
+                                         KVCacheSpec, SlidingWindowSpec)
+from kiln.kv_cache.kv_cache_manager import KVCacheManager
+from kiln.kv_cache.single_type_manager import group_hash, manager_class, SlidingWindowManager
 
 F32 = torch.float32
 
@@ -144,7 +148,7 @@ class _NoWindowBackend(TorchPagedBackend):
 def test_a_backend_that_cannot_honour_a_window_falls_back_or_raises(monkeypatch, caplog):
     cpu = torch.device("cpu")
     monkeypatch.setitem(selector.BACKENDS, "no-window", _NoWindowBackend)
-    monkeypatch.setitem(selector.PREFERENCE, "cpu", ("no-window", "torch"))
+    monkeypatch.setattr(CpuPlatform, "attention_backends", ("no-window", "torch"))
     layers = [AttentionLayerSpec(4, 2, 64, 0.125, sliding_window=32)]
     with caplog.at_level("WARNING"):
         assert selector.select_backend(None, 64, F32, cpu, layers) is TorchPagedBackend
@@ -207,7 +211,7 @@ def test_full_graphs_replay_windows_and_softcaps(family_models):
     tokens each (the interpreter is slow; hits and preemption are covered above)."""
     if interpreter_reason() is not None:
         pytest.skip(interpreter_reason())
-    from kiln.graphs import CUDAGraphMode
+    from kiln.config.compilation import CUDAGraphMode
 
     path, refs = family_models["gemma2"]
     llm = LLM(str(path), dtype="float32", progress=False, optimization_level=2,

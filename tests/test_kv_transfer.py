@@ -15,11 +15,11 @@ import torch
 
 from conftest import hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
-from kiln.compiler import compilation_counter
+from kiln.compiler.counter import compilation_counter
 from kiln.entrypoints.openai.metrics import ServerMetrics
-from kiln.kv_transfer import make_layout
+from kiln.kv_transfer.layout import make_layout
 from kiln.kv_transfer.disk import SUFFIX, DiskBlockStore
-from kiln.scheduler import hash_block
+from kiln.kv_cache.block_hash import hash_block
 from server_utils import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -72,14 +72,14 @@ def tiny(tiny_models):
     ({"connector": "disk"}, "unknown field"),
 ])
 def test_bad_kv_transfer_config_is_a_start_up_error_naming_the_field(config, field):
-    from kiln.config import EngineConfig
+    from kiln.config.engine import EngineConfig
 
     with pytest.raises(ValueError, match=field):
         EngineConfig(kv_transfer_config=config)
 
 
 def test_kv_transfer_refuses_tensor_parallelism_and_bad_request_params(tiny, tmp_path):
-    from kiln.config import EngineConfig
+    from kiln.config.engine import EngineConfig
 
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         EngineConfig(kv_transfer_config=_disk(tmp_path), tensor_parallel_size=2)

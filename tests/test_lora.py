@@ -14,7 +14,7 @@ from conftest import TINY, random_prompts
 from lora_utils import ALL, make_adapter, peft_greedy
 
 from kiln import LLM, LoRARequest, SamplingParams
-from kiln.compiler import compilation_counter
+from kiln.compiler.counter import compilation_counter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -105,7 +105,7 @@ def test_scheduler_runs_no_more_adapters_than_slots():
     base request behind it still starts), and runs once adapter 1's request finishes."""
     from test_scheduler import fake_run, make_scheduler
 
-    from kiln.engine import Request
+    from kiln.request import Request
 
     sched = make_scheduler()
     sched.max_loras = 2

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.lora.ops import lora_apply
+from kiln.ops.lora import lora_apply
 
 pytest.importorskip("triton")
 
 
 @pytest.fixture(autouse=True)
 def interpret() -> None:
-    from kiln.attention.kernels import interpreter_reason
+    from kiln.ops.triton_runtime import interpreter_reason
 
     reason = interpreter_reason()
     if reason is not None:
@@ -42,7 +42,7 @@ def check(args: tuple[torch.Tensor, ...]) -> None:
     rounding of the op in float32 (the kernels accumulate in fp32 and round once). One ulp
     (2^-7), not half: Triton 3.9's interpreter truncates fp32 -> bf16 where compiled code
     rounds to nearest (tests/gpu/test_lora_triton.py holds it to half an ulp)."""
-    from kiln.lora.triton_ops import lora_apply_triton
+    from kiln.ops.triton_lora import lora_apply_triton
 
     compare(lora_apply_triton(*args), args, half_rtol=2 ** -7, fp32_tol=1e-5)
 
@@ -86,7 +86,7 @@ def test_one_slot_and_no_adapter_at_all(dtype):
 def test_no_tokens_and_strided_inputs():
     """T=0 launches nothing; y and x may be column slices of wider buffers (row stride !=
     width)."""
-    from kiln.lora.triton_ops import lora_apply_triton
+    from kiln.ops.triton_lora import lora_apply_triton
 
     y, x, a, b, scaling, indices = make_case(0, 2, 6, 16, 20, torch.float32, [0], seed=4)
     assert lora_apply_triton(y, x, a, b, scaling, indices).shape == (0, 20)

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kiln.moe.op import fused_moe
 from kiln.ops.linear import pack
-from kiln.quantization.packing import pack_q4, pack_q8, quantize_int8
+from kiln.ops.quant_packing import pack_q4, pack_q8, quantize_int8
 
 ROWS = (1, 5, 33)  # decode, a verify step (1 + 4 drafts), a batch with a partial tile
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.compiler.setup import cache_factors
-from kiln.config import CompilationMode as C, EngineConfig
-from kiln.entrypoints.cli import build_parser
-from kiln.graphs import CUDAGraphMode as M
-from kiln.platform import Platform
+from kiln.compiler.build import cache_factors
+from kiln.config.compilation import CompilationMode as C
+from kiln.config.engine import EngineConfig
+from kiln.cli.main import build_parser
+from kiln.config.compilation import CUDAGraphMode as M
+from kiln.platforms.cuda import CudaPlatform
 
 LADDER_64 = [1, 2, 4, *range(8, 129, 8)]  # max_num_seqs=64: up to 2 * 64
 
@@ -40,8 +41,7 @@ def test_level_defaults_on_cpu(level, mode, graphs):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("kiln.optimization_levels.current_platform",
-                        lambda device: Platform("cuda", True, True, "torch", 1))
+    monkeypatch.setattr("kiln.config.levels.platform_for", lambda device: CudaPlatform())
 
 
 @pytest.mark.parametrize("level,graphs,sizes,options", [
@@ -120,7 +120,7 @@ def test_cli_rejects_unknown_levels(capsys):
 @pytest.mark.parametrize("threads,serial", [(1, True), (2, True), (3, False)])
 def test_fused_kernels_run_single_threaded_on_small_cpu_hosts(threads, serial):
     from kiln.compiler.adaptors import InductorAdaptor
-    from kiln.compiler.setup import host_inductor_options
+    from kiln.compiler.build import host_inductor_options
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import hf_greedy
 from kiln import LLM, SamplingParams
-from kiln.graphs import CUDAGraphMode
+from kiln.config.compilation import CUDAGraphMode
 
 pytestmark = pytest.mark.slow
 

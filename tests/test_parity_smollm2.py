@@ -61,7 +61,7 @@ def test_tiny_budget_and_preemption_keep_parity(smollm2_dir, prompts, references
 def test_o1_compiled_matches_transformers(smollm2_dir, prompts, references):
     """-O1: traced once, split at attention, Inductor pieces (warm from `make test`'s
     `kiln warmup -O1` when KILN_CACHE_DIR points at it)."""
-    from kiln.compiler import compilation_counter
+    from kiln.compiler.counter import compilation_counter
 
     llm = LLM(str(smollm2_dir), dtype="float32", optimization_level=1, progress=False)
     with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0):

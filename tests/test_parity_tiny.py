@@ -7,7 +7,7 @@ import torch
 
 from conftest import TINY_CONFIGS, hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
-from kiln.graphs import CUDAGraphMode
+from kiln.config.compilation import CUDAGraphMode
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LENGTHS = [5, 17, 33, 2, 40, 9]

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
-from kiln.scheduler import hash_block
+from kiln.kv_cache.block_hash import hash_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from conftest import random_prompts
-from kiln.compiler import compilation_counter
+from kiln.compiler.counter import compilation_counter
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear_quant
-from kiln.quantization import resolve_quantization
+from kiln.quantization.resolve import resolve_quantization
 from kiln.quantization.gguf_weights import decode
 from kiln.quantization.plan import DIRECT, PANEL, layer_panel_from, panel_from_times
-from kiln.quantization.packing import (FP8, INT8, Q4, Q8, dequantize, int8_activations,
-                                       pack_q4, pack_q8, quantize_fp8, quantize_int8,
-                                       quantize_int8_groups, unpack_codes)
+from kiln.ops.quant_packing import (dequantize, FP8, INT8, int8_activations, pack_q4, pack_q8,
+                                    Q4, Q8, quantize_fp8, quantize_int8, quantize_int8_groups,
+                                    unpack_codes)
 from test_gguf_convert import _tiny_model, write_tiny_gguf
 
 
@@ -146,7 +146,7 @@ def test_resolution_and_conflicts(tmp_path: Path, tiny_models):
     with pytest.raises(ValueError, match="quantization='fp8' runs on CUDA only"):
         LLM(str(path), quantization="fp8", optimization_level=0, progress=False)
     with pytest.raises(ValueError, match="quantization='fp4' must be one of"):
-        from kiln.config import EngineConfig
+        from kiln.config.engine import EngineConfig
 
         EngineConfig(quantization="fp4")
 
@@ -229,7 +229,7 @@ def test_gguf_native_matches_dequantized_file_eager_and_compiled(tmp_path, monke
 def test_triton_dequant_gemm_matches_reference_in_the_interpreter():
     """The CUDA kernel, run by Triton's interpreter on CPU tensors: every format, FP8
     (float8 e4m3, CUDA only) included."""
-    from kiln.attention.kernels import interpreter_reason
+    from kiln.ops.triton_runtime import interpreter_reason
 
     reason = interpreter_reason()
     if reason is not None:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kiln import SamplingParams
-from kiln.sampling import MAX_LOGPROBS
+from kiln.sampling.params import MAX_LOGPROBS
 
 BAD = [
     ({"n": 0}, "n="), ({"n": 1.5}, "n="), ({"temperature": -0.1}, "temperature="),
@@ -42,7 +42,7 @@ def test_good_values_are_normalised():
 
 
 def test_cli_prints_the_message_not_a_traceback():
-    res = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli", "generate", "hi",
+    res = subprocess.run([sys.executable, "-m", "kiln.cli.main", "generate", "hi",
                           "--top-p", "0"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "top_p=0.0 must be in (0.0, 1.0]" in res.stderr

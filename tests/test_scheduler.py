@@ -7,10 +7,14 @@ from hypothesis import strategies as st
 
 import torch
 
-from kiln.engine import Request, RequestStatus
-from kiln.sampling import SamplingParams
-from kiln.scheduler import (BlockHasher, FullAttentionSpec, KVCacheManager,
-                            ModelRunnerOutput, Scheduler, SchedulerOutput, SchedulerPolicy)
+from kiln.request import Request, RequestStatus
+from kiln.sampling.params import SamplingParams
+from kiln.kv_cache.block_hash import BlockHasher
+from kiln.kv_cache.kv_cache_spec import FullAttentionSpec
+from kiln.kv_cache.kv_cache_manager import KVCacheManager
+from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kiln.scheduler.scheduler import Scheduler
+from kiln.scheduler.step import SchedulerPolicy
 
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
 

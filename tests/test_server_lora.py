@@ -214,7 +214,7 @@ def test_metrics_count_requests_per_adapter(env):
 
 def test_endpoints_404_without_the_flag_and_bad_modules_fail_start_up(env, monkeypatch):
     """In process, on the reference engine: no port and no engine thread needed."""
-    from kiln.entrypoints.cli import build_parser
+    from kiln.cli.main import build_parser
     from kiln.entrypoints.openai.app import ServerSettings, build_app
 
     app = build_app(env.ref.engine, ServerSettings(MODEL_NAME))

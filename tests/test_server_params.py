@@ -59,7 +59,7 @@ def test_strict_types_and_unknown_fields():
     (["serve", "--max-request-body-bytes", "lots"], "max_request_body_bytes='lots'"),
 ])
 def test_serve_flags_fail_before_loading(argv, words, capsys):
-    from kiln.entrypoints.cli import main
+    from kiln.cli.main import main
 
     assert main(argv) == 2
     assert words in capsys.readouterr().err

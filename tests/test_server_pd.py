@@ -30,7 +30,7 @@ def _kv(role: str, port: int) -> list[str]:
 def _proxy(p_url: str, d_url: str, log_path) -> Server:
     port = free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.entrypoints.cli", "serve",
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "serve",
                              "--pd-proxy", p_url, d_url, "--port", str(port),
                              "--pd-prefill-timeout", "30"], stdout=log,
                             stderr=subprocess.STDOUT)

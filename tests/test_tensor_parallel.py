@@ -86,7 +86,7 @@ def test_mp_tp2_qwen3_matches_transformers_at_o0_and_o2(models, tmp_path):
 def test_warmup_tp2_reports_every_rank(models):
     """`kiln warmup -tp 2` builds (or loads) every rank's entry and reports each rank;
     after the mp test both ranks load theirs."""
-    res = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli", "warmup", "--model",
+    res = subprocess.run([sys.executable, "-m", "kiln.cli.main", "warmup", "--model",
                           str(models["qwen3"][0]), "-O2", "--dtype", "float32", "-tp", "2",
                           "--num-kv-blocks", "64", "--max-model-len", "128"],
                          capture_output=True, text=True, timeout=400, env=os.environ.copy())
@@ -209,7 +209,7 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_when_a_worker_is_killed(
                                         max_tokens=12, temperature=0)
         assert res.choices[0].text == expected
         workers = [p for p in _children(server.proc.pid)
-                   if "kiln.distributed.mp_executor" in _cmdline(p)]
+                   if "kiln.executor.multiproc" in _cmdline(p)]
         assert len(workers) == 2, [_cmdline(p) for p in _children(server.proc.pid)]
         family = _children(server.proc.pid)
         stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time",
@@ -255,7 +255,7 @@ def test_hung_worker_times_out_instead_of_hanging(models, monkeypatch):
     import signal
     import time
 
-    from kiln.distributed.mp_executor import WorkerDiedError
+    from kiln.executor.multiproc import WorkerDiedError
 
     monkeypatch.setenv("KILN_DIST_TIMEOUT_S", "5")
     llm = LLM(str(models["llama"][0]), dtype="float32", optimization_level=0,
@@ -265,7 +265,7 @@ def test_hung_worker_times_out_instead_of_hanging(models, monkeypatch):
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference(models["llama"][1])
     workers = [p for p in _children(os.getpid())
-               if "kiln.distributed.mp_executor" in _cmdline(p)]
+               if "kiln.executor.multiproc" in _cmdline(p)]
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGSTOP)
     start = time.monotonic()

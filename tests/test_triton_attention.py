@@ -14,10 +14,13 @@ import torch
 
 from attention_batches import Batch, dense_reference, make_batch, random_shapes, run_backend
 from conftest import random_prompts
-from kiln.attention import AttentionLayerSpec, select_backend
+from kiln.platforms.cpu import CpuPlatform
+from kiln.attention.backend import AttentionLayerSpec
+from kiln.attention.selector import select_backend
 from kiln.attention import selector
-from kiln.attention.backends import TorchPagedBackend, TritonPagedBackend
-from kiln.attention.kernels import interpreter_reason
+from kiln.attention.backends.torch_paged import TorchPagedBackend
+from kiln.attention.backends.triton_paged import TritonPagedBackend
+from kiln.ops.triton_runtime import interpreter_reason
 
 pytest.importorskip("triton")
 
@@ -113,7 +116,7 @@ def test_bfloat16_close_to_reference(interpret):
 
 
 def test_injected_kernel_config_gives_the_same_result(interpret, monkeypatch):
-    from kiln.attention.kernels import UnifiedAttentionConfig
+    from kiln.attention.kernels.attention_kernel import UnifiedAttentionConfig
 
     spec = AttentionLayerSpec(8, 2, 64, 0.125)
     batch = make_batch([(5, 9), (21, 1), (0, 4)], 8, 2, 64, 16, pad=2, seed=9)
@@ -140,7 +143,7 @@ def test_refusals_and_selection(monkeypatch):
     if interpreter_reason() is None:  # the session interprets (CPU-only hosts: conftest)
         assert select_backend("triton", 64, torch.float32, CPU) is TritonPagedBackend
     # Automatic choice when the preferred backend refuses: one log line, then the next.
-    monkeypatch.setitem(selector.PREFERENCE, "cpu", ("triton", "torch"))
+    monkeypatch.setattr(CpuPlatform, "attention_backends", ("triton", "torch"))
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]

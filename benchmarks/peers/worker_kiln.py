@@ -33,14 +33,14 @@ class KilnEngine:
 
 def make_engine(spec: measure.Spec) -> tuple[KilnEngine, dict[str, Any]]:
     from kiln.bench.report import engine_facts, environment
-    from kiln.entrypoints.cli import _engine_args, _make_llm
+    from kiln.entrypoints.args import add_engine_args, make_llm
 
     parser = argparse.ArgumentParser(prog="worker_kiln")
-    _engine_args(parser)
+    add_engine_args(parser)
     argv = ["--model", spec.model] + list(spec.options.get("argv", []))
     if spec.dtype:
         argv += ["--dtype", spec.dtype]
-    llm = _make_llm(parser.parse_args(argv))
+    llm = make_llm(parser.parse_args(argv))
     facts = {"engine": "kiln", **environment(), **engine_facts(llm.engine), "argv": argv}
     return KilnEngine(llm), facts
 

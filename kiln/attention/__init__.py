@@ -1,8 +1,11 @@
-from kiln.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionLayerSpec,
-                                    AttentionMetadata)
-from kiln.attention.layer import Attention
-from kiln.attention.op import SPLITTING_OPS
-from kiln.attention.selector import BACKENDS, select_backend
+"""Attention: the opaque op, its layer, the forward context it reads, the backends and how
+one is chosen.
+"""
+from kiln.exports import lazy_exports
 
-__all__ = ["Attention", "AttentionBackend", "AttentionCGSupport", "AttentionLayerSpec",
-           "AttentionMetadata", "BACKENDS", "SPLITTING_OPS", "select_backend"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "Attention": "layer", "AttentionBackend": "backend", "AttentionCGSupport": "backend",
+    "AttentionLayerSpec": "backend", "AttentionMetadata": "backend",
+    "BACKENDS": "selector", "preferred_attention_backend": "selector",
+    "select_backend": "selector",
+})

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from kiln.forward_context import get_forward_context
+from kiln.attention.forward_context import get_forward_context
 
 
+# Registered under the name kiln.config.compilation.SPLITTING_OPS lists (the graph is split
+# at every call).
 @torch.library.custom_op("kiln::unified_attention", mutates_args=("output",))
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       output: torch.Tensor, layer_index: int) -> None:
@@ -28,5 +30,3 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch
       layer_index: int) -> None:
     return None
 
-
-SPLITTING_OPS = ("kiln::unified_attention",)

@@ -9,15 +9,17 @@ model Triton cannot serve (say head_size 512) still gets the torch backend.
 from __future__ import annotations
 
 import logging
+import os
+from typing import Any, Mapping, Sequence
 
 import torch
-
-from typing import Sequence
 
 from kiln.attention.backend import AttentionBackend, AttentionLayerSpec
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.triton_paged import TritonPagedBackend
+from kiln.ops.tuning import load_tuning, parse_key
+from kiln.platforms import device_name, platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +29,6 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     CpuPagedBackend.name: CpuPagedBackend,
 }
 
-# Automatic choice per device type, best first. The CPU prefers kiln's C++ kernels and
-# falls back to torch where they cannot be built; interpreted Triton is for tests only and
-# must be asked for by name.
-PREFERENCE: dict[str, tuple[str, ...]] = {
-    "cuda": (TritonPagedBackend.name, TorchPagedBackend.name),
-    "cpu": (CpuPagedBackend.name, TorchPagedBackend.name),
-}
 
 
 def _refusal(cls: type[AttentionBackend], head_size: int, dtype: torch.dtype,
@@ -55,8 +50,6 @@ def select_backend(name: str | None, head_size: int, dtype: torch.dtype,
     must honour (an explicit pick that cannot is a ValueError; otherwise the next backend
     is taken, with one warning)."""
     if name is None:  # nothing named: the tuning table's pick (kiln bench kernels), if any
-        from kiln.bench import preferred_attention_backend
-
         tuned = preferred_attention_backend(head_size, dtype, device, BACKENDS)
         if tuned is not None and tuned in BACKENDS and _refusal(
                 BACKENDS[tuned], head_size, dtype, device, layers) is None:
@@ -72,7 +65,7 @@ def select_backend(name: str | None, head_size: int, dtype: torch.dtype,
                              "automatically")
         return BACKENDS[name]
     refused: list[str] = []
-    for candidate in PREFERENCE.get(device.type, tuple(BACKENDS)):
+    for candidate in platform_for(device).attention_backends:
         reason = _refusal(BACKENDS[candidate], head_size, dtype, device, layers)
         if reason is None:
             if refused:
@@ -82,3 +75,31 @@ def select_backend(name: str | None, head_size: int, dtype: torch.dtype,
         refused.append(f"{candidate!r} cannot run here ({reason})")
     raise ValueError(f"no attention backend supports head_size={head_size}, dtype={dtype} "
                      f"on {device}: {'; '.join(refused)}")
+
+
+def preferred_attention_backend(head_size: int, dtype: torch.dtype, device: torch.device,
+                                backends: Mapping[str, Any],
+                                path: str | os.PathLike | None = None) -> str | None:
+    """The backend among `backends` (name -> class) that won the most tuned attention
+    shapes with this head size and dtype on this device and whose `supports()` accepts this
+    configuration (ties: the first name in alphabetical order); None without tuning data.
+
+    Backends are chosen once per engine, not per step, so the per-shape winners are
+    reduced to one vote here."""
+    entries = load_tuning(path).get("devices", {}).get(device_name(device), {})
+    if not entries.get("attention"):
+        return None
+    allowed = {n for n, c in backends.items() if c.supports(head_size, dtype, device) is None}
+    want = {"head_size": str(head_size), "dtype": str(dtype).removeprefix("torch.")}
+    wins: dict[str, int] = {}
+    for key, entry in entries.get("attention", {}).items():
+        dims = parse_key(key)
+        best = entry.get("best") if isinstance(entry, dict) else None
+        if best in allowed and all(dims.get(k) == v for k, v in want.items()):
+            wins[best] = wins.get(best, 0) + 1
+    if not wins:
+        return None
+    choice = min(wins, key=lambda n: (-wins[n], n))
+    logger.info("attention backend %r from the tuning table (fastest on %d of %d tuned "
+                "shapes)", choice, wins[choice], sum(wins.values()))
+    return choice

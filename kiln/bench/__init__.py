@@ -1,10 +1,4 @@
 """The benchmark harness behind `kiln bench` (latency, throughput, serve, compile,
-kernels) and the kernel tuning table the runtime reads.
-
-Only the tuning lookups are exported here: they are what the runtime imports at start-up,
-and they stay light. The bench modes live in their own modules and load on demand.
-"""
-from kiln.bench.tuning import (default_tuning_path, load_tuning, lookup,
-                               preferred_attention_backend)
-
-__all__ = ["default_tuning_path", "load_tuning", "lookup", "preferred_attention_backend"]
+kernels, ...) and the writer of the kernel tuning table (`tuning.merge_into`; the runtime
+reads the table through `kiln.ops.tuning`). The modes live in their own modules and load
+on demand."""

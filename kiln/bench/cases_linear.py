@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench.cases import Candidate, Case, Shapes, close
-from kiln.bench.tuning import shape_key
+from kiln.ops.tuning import shape_key
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear, pack
 

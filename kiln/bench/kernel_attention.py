@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from kiln.attention import BACKENDS, AttentionLayerSpec, AttentionMetadata
+from kiln.attention.selector import BACKENDS
+from kiln.attention.backend import AttentionLayerSpec, AttentionMetadata
 from kiln.bench.cases import Candidate, Case, Shapes
-from kiln.bench.tuning import shape_key
+from kiln.ops.tuning import shape_key
 
 BLOCK_SIZE = 16
 
@@ -73,7 +74,7 @@ def _launch_configs(cls: Any, spec: AttentionLayerSpec, s: Shapes
         configs = list(cls.tuning_configs(spec, s.dtype, s.device))
     elif s.device.type == "cuda" and hasattr(cls, "kernel_config"):
         try:
-            from kiln.attention.kernels import sweep_space
+            from kiln.attention.kernels.attention_kernel import sweep_space
         except ImportError:  # a kernel_config without a sweep space: defaults only
             sweep_space = None
         if sweep_space is not None:

@@ -33,7 +33,8 @@ from kiln.bench.cases_quant import linear_quant_cases
 from kiln.bench.kernel_attention import attention_cases
 from kiln.bench.report import environment, table
 from kiln.bench.stats import percentile
-from kiln.bench.tuning import merge_into, parse_key
+from kiln.bench.tuning import merge_into
+from kiln.ops.tuning import parse_key
 
 OPS: dict[str, Callable[[Shapes, bool], list[Case]]] = {
     "linear": linear_cases, "linear_quant": linear_quant_cases, "fused_moe": fused_moe_cases,

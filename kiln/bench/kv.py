@@ -71,16 +71,16 @@ def _probe(argv: list[str], prefix_len: int, seed: int, timeout_s: float) -> dic
 
 def probe_main(argv: list[str] | None = None) -> int:
     """The child: build the engine, time one request's first token, print JSON."""
-    from kiln.entrypoints.cli import _engine_args, _make_llm
-    from kiln.sampling import SamplingParams
+    from kiln.entrypoints.args import add_engine_args, make_llm
+    from kiln.sampling.params import SamplingParams
 
     parser = argparse.ArgumentParser(prog="kiln.bench.kv")
-    _engine_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--prefix-len", type=int, required=True)
     parser.add_argument("--question", type=int, default=0)
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    llm = _make_llm(args)
+    llm = make_llm(args)
     load_s = time.perf_counter() - t0
     tok = llm.get_tokenizer()
     ids = tok.encode(_TEXT * (1 + 4 * args.prefix_len // len(_TEXT)))
@@ -182,7 +182,7 @@ class _Server:
             env["OMP_NUM_THREADS"] = str(len(cpus))
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.entrypoints.cli", "serve", *argv, "--port",
+            [sys.executable, "-m", "kiln.cli.main", "serve", *argv, "--port",
              str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 

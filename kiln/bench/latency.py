@@ -27,7 +27,7 @@ from kiln.bench.workload import check_positive, random_prompts
 
 def run_latency(llm: Any, batch_size: int, input_len: int, output_len: int,
                 num_iters: int = 5, num_iters_warmup: int = 1, seed: int = 0) -> dict[str, Any]:
-    from kiln.sampling import SamplingParams
+    from kiln.sampling.params import SamplingParams
 
     check_positive(batch_size=batch_size, input_len=input_len, output_len=output_len,
                    num_iters=num_iters)

@@ -58,7 +58,7 @@ def write_random_adapter(model_config: Any, path: Path, rank: int, seed: int) ->
 def run_lora(make: Callable[[bool], Any], num_prompts: int, input_len: int,
              output_len: int, num_adapters: int, rank: int, repeats: int) -> dict[str, Any]:
     """`make(enable_lora)` builds an engine (LoRA on: num_adapters slots of `rank`)."""
-    from kiln.lora import LoRARequest
+    from kiln.lora.request import LoRARequest
 
     base, lora = make(False), make(True)
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-lora-"))

@@ -38,7 +38,7 @@ def make_mixtral(path: Path) -> Any:
 
 def run_moe(level: int, dtype: str, batch_sizes: list[int], input_len: int,
             output_len: int, repeats: int) -> dict[str, Any]:
-    from kiln import LLM
+    from kiln.entrypoints.llm import LLM
 
     torch_dtype = getattr(torch, dtype)
     g = torch.Generator().manual_seed(0)
@@ -69,7 +69,7 @@ def run_moe(level: int, dtype: str, batch_sizes: list[int], input_len: int,
 
 
 def _kiln(llm: Any, prompts: torch.Tensor, output_len: int) -> float:
-    from kiln import SamplingParams
+    from kiln.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()

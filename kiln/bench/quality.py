@@ -35,7 +35,7 @@ def text_windows(tokenizer: Any, window: int) -> list[list[int]]:
 
 def perplexity(llm: Any, windows: list[list[int]]) -> tuple[float, int]:
     """(exp of the mean NLL of every token after each window's first, token count)."""
-    from kiln import SamplingParams
+    from kiln.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
@@ -48,7 +48,7 @@ def perplexity(llm: Any, windows: list[list[int]]) -> tuple[float, int]:
 
 
 def greedy(llm: Any, max_tokens: int) -> list[list[int]]:
-    from kiln import SamplingParams
+    from kiln.sampling.params import SamplingParams
 
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

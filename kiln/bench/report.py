@@ -5,41 +5,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from kiln.platforms import device_name
+from kiln.version import __version__
+
 SCHEMA_VERSION = 1
-
-
-def device_name(device: str | torch.device = "cpu") -> str:
-    """A stable human-readable name for the device: the GPU's name on CUDA, the CPU model
-    (from /proc/cpuinfo, where there is one) and the ISA class kiln's kernels run at
-    otherwise (KILN_CPU_ISA emulates another host's). Tuning tables are keyed by it."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(dev)}"
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    from kiln.ops.cpu_kernels import isa_class
-
-    return f"cpu:{model or platform.processor() or platform.machine()} [{isa_class()}]"
 
 
 def environment(device: str = "cpu") -> dict[str, Any]:
     """Where and when: enough to tell two JSON files from different machines apart."""
-    from kiln import __version__
-
     return {"kiln_version": __version__, "torch_version": torch.__version__,
             "device": device_name(device), "num_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),

@@ -11,9 +11,9 @@ from kiln.bench.cases import Shapes
 
 def model_shapes(model: str | None, dtype: str, device: str, decode_batches: list[int],
                  prefill_lens: list[int], context_len: int) -> Shapes:
-    from kiln.config import EngineConfig
-    from kiln.engine.setup import resolve_dtype
-    from kiln.models import ModelConfig
+    from kiln.config.engine import EngineConfig
+    from kiln.engine.startup import resolve_dtype
+    from kiln.models.model_config import ModelConfig
     from kiln.models.model_source import resolve_model
 
     for name, values in (("batch_sizes", decode_batches), ("prefill_lens", prefill_lens),
@@ -39,11 +39,11 @@ def model_shapes(model: str | None, dtype: str, device: str, decode_batches: lis
 
 def run_kernels_for_model(args: argparse.Namespace) -> dict[str, Any]:
     from kiln.bench.kernels import OPS, run_kernels
-    from kiln.bench.tuning import default_tuning_path
+    from kiln.ops.tuning import default_tuning_path
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":  # the packed-linear and cpu-attention candidates need them
-        from kiln.compiler import default_cache_root
+        from kiln.compiler.cache import default_cache_root
         from kiln.ops import cpu_kernels
 
         cpu_kernels.ensure_loaded(default_cache_root(), progress=True)

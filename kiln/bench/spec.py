@@ -69,7 +69,7 @@ DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 6}
 
 def _run(llm: Any, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
     """Each prompt alone; (output tokens per second of wall time, the outputs)."""
-    from kiln.sampling import SamplingParams
+    from kiln.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     tokens, seconds, outs = 0, 0.0, []

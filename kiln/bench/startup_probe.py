@@ -10,30 +10,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
+from kiln import envs
+
 
 def main(argv: list[str] | None = None) -> int:
-    from kiln.entrypoints.cli import _engine_args, _make_llm
+    from kiln.entrypoints.args import add_engine_args, make_llm
 
     parser = argparse.ArgumentParser(prog="kiln.bench.startup_probe")
-    _engine_args(parser)
+    add_engine_args(parser)
     args = parser.parse_args(argv)
-    from kiln.compiler import compilation_counter
-    from kiln.sampling import SamplingParams
+    from kiln.compiler.counter import compilation_counter
+    from kiln.sampling.params import SamplingParams
 
     before = compilation_counter.clone()
     t0 = time.perf_counter()
-    llm = _make_llm(args)
+    llm = make_llm(args)
     t1 = time.perf_counter()
     vocab = llm.engine.model_config.vocab_size
     llm.generate({"prompt_token_ids": [min(3, vocab - 1)] * 8},
                  SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
                  use_tqdm=False)
     t2 = time.perf_counter()
-    spawned = float(os.environ.get("KILN_PROBE_T0", "nan"))
+    spawned = envs.KILN_PROBE_T0
     counters = compilation_counter.delta(before)
     print(json.dumps({"load_s": t1 - t0, "first_token_s": t2 - t1,
                       "startup_s": time.time() - spawned,

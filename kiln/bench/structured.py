@@ -60,8 +60,8 @@ def _decode_steps(engine: Any, n: int) -> dict[int, float]:
 
 
 def _run_case(llm: Any, n: int, output_len: int, every: int, tag: str) -> dict[int, float]:
-    from kiln.sampling import RequestOutputKind, SamplingParams
-    from kiln.structured_output import StructuredOutputsParams
+    from kiln.sampling.params import RequestOutputKind, SamplingParams
+    from kiln.structured_output.params import StructuredOutputsParams
 
     free = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
                           output_kind=RequestOutputKind.FINAL_ONLY)
@@ -76,7 +76,7 @@ def _run_case(llm: Any, n: int, output_len: int, every: int, tag: str) -> dict[i
 
 
 def _compile_times(engine: Any) -> tuple[float, float]:
-    from kiln.structured_output import StructuredOutputsParams
+    from kiln.structured_output.params import StructuredOutputsParams
 
     manager = engine.structured_output_manager()
     times = []

@@ -30,7 +30,7 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int,
                    random_range_ratio: float = 0.0, seed: int = 0,
                    lora_requests: list[Any] | None = None) -> dict[str, Any]:
     """`lora_requests`: adapters given to the requests in turn (None: the base model)."""
-    from kiln.sampling import SamplingParams
+    from kiln.sampling.params import SamplingParams
 
     check_positive(num_prompts=num_prompts)
     engine = llm.engine

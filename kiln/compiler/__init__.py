@@ -1,10 +1,9 @@
-from kiln.compiler.cache import CompileCache, default_cache_root, verify_artifact
-from kiln.compiler.counter import CompilationCounter, compilation_counter
-from kiln.compiler.piecewise import PiecewiseBackend, Range
-from kiln.compiler.setup import compile_model, compile_shapes
-from kiln.compiler.split import split_graph
-from kiln.compiler.trace_once import TraceOnceModel
+"""Trace once, split around attention, compile (Inductor) per token range, cache atomically."""
+from kiln.exports import lazy_exports
 
-__all__ = ["CompilationCounter", "CompileCache", "PiecewiseBackend", "Range",
-           "TraceOnceModel", "compilation_counter", "compile_model", "compile_shapes",
-           "default_cache_root", "split_graph", "verify_artifact"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "compilation_counter": "counter", "CompilationCounter": "counter",
+    "compile_model": "build", "compile_shapes": "build", "CompileCache": "cache",
+    "default_cache_root": "cache", "PiecewiseBackend": "piecewise", "Range": "piecewise",
+    "split_graph": "split", "TraceOnceModel": "trace_once", "verify_artifact": "cache",
+})

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 from filelock import FileLock
 
+from kiln import envs
+
 from kiln.compiler.counter import compilation_counter
 
 logger = logging.getLogger(__name__)
@@ -34,12 +36,7 @@ FACTORS = "cache_key_factors.json"
 
 
 def default_cache_root() -> Path:
-    env = os.environ.get("KILN_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    from kiln.models.model_source import kiln_home
-
-    return kiln_home() / "compile_cache"
+    return envs.KILN_CACHE_DIR or envs.kiln_home() / "compile_cache"
 
 
 def hash_factors(factors: dict[str, Any]) -> str:

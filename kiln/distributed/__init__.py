@@ -1,11 +1,12 @@
 """Tensor parallelism on torch.distributed: the rank grid, collectives as custom ops, and
-the executors that run one model over several processes."""
-from kiln.distributed.ops import tp_all_gather, tp_all_reduce
-from kiln.distributed.parallel_state import (GroupCoordinator, destroy_distributed,
-                                             get_tp_group, get_world_group,
-                                             init_distributed, initialize_model_parallel,
-                                             tp_rank, tp_size)
+the executors that run one model over several processes.
+"""
+from kiln.exports import lazy_exports
 
-__all__ = ["GroupCoordinator", "destroy_distributed", "get_tp_group", "get_world_group",
-           "init_distributed", "initialize_model_parallel", "tp_all_gather", "tp_all_reduce",
-           "tp_rank", "tp_size"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "destroy_distributed": "parallel_state", "get_tp_group": "parallel_state",
+    "get_world_group": "parallel_state", "GroupCoordinator": "parallel_state",
+    "init_distributed": "parallel_state", "initialize_model_parallel": "parallel_state",
+    "tp_all_gather": "collectives", "tp_all_reduce": "collectives",
+    "tp_rank": "parallel_state", "tp_size": "parallel_state",
+})

@@ -14,23 +14,24 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from kiln import envs
 
 logger = logging.getLogger(__name__)
 
 # The bound on any one collective or control message; a peer that hangs past it fails
 # the step instead of hanging the engine. Generous, because start-up waits behind cold
 # compiles (minutes on a small CPU).
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = envs.DEFAULT_DIST_TIMEOUT_S
 
 
 def timeout_s() -> float:
     """A serving step's bound (KILN_DIST_TIMEOUT_S)."""
-    return float(os.environ.get("KILN_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    return envs.KILN_DIST_TIMEOUT_S
 
 
 def startup_timeout_s() -> float:
@@ -38,8 +39,7 @@ def startup_timeout_s() -> float:
     (KILN_DIST_STARTUP_TIMEOUT_S; by default the larger of 600 s and the step bound). A
     short step bound, set to catch a hung peer fast, must not fail a start-up that waits
     behind cold compiles or a loaded host (a 5 s bound failed the gloo connect itself)."""
-    default = max(DEFAULT_TIMEOUT_S, timeout_s())
-    return float(os.environ.get("KILN_DIST_STARTUP_TIMEOUT_S", default))
+    return envs.KILN_DIST_STARTUP_TIMEOUT_S
 
 
 def set_world_timeout(seconds: float) -> None:

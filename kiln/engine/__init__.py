@@ -1,6 +1,7 @@
-# request first: the scheduler imports it while this package is still initialising.
-from kiln.engine.request import Request, RequestStatus  # isort: skip
-from kiln.engine.outputs import CompletionOutput, RequestOutput
-from kiln.engine.llm_engine import LLMEngine
+"""The engine: scheduling loop, output processing, detokenizing, async serving."""
+from kiln.exports import lazy_exports
 
-__all__ = ["CompletionOutput", "LLMEngine", "Request", "RequestOutput", "RequestStatus"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "AsyncLLMEngine": "async_engine", "CompletionOutput": "outputs",
+    "LLMEngine": "llm_engine", "RequestOutput": "outputs",
+})

@@ -32,9 +32,9 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import RequestOutput
-from kiln.lora import LoRAError, LoRARequest
-from kiln.sampling import RequestOutputKind, SamplingParams
-from kiln.scheduler import SchedulerStats
+from kiln.lora.request import LoRAError, LoRARequest
+from kiln.sampling.params import RequestOutputKind, SamplingParams
+from kiln.scheduler.step import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

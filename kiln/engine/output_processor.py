@@ -16,9 +16,10 @@ from typing import Any, Callable
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.engine.output_text import OutputText
-from kiln.sampling import (LogprobsLists, PositionLogprobs, RequestOutputKind, SamplingParams,
-                           to_position_dicts)
-from kiln.scheduler import EngineCoreOutput, ModelRunnerOutput
+from kiln.sampling.logprobs import LogprobsLists, PositionLogprobs, to_position_dicts
+from kiln.sampling.params import RequestOutputKind, SamplingParams
+from kiln.scheduler.step import EngineCoreOutput
+from kiln.scheduler.output import ModelRunnerOutput
 
 Namer = Callable[[list[int]], list[str]] | None
 

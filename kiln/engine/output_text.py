@@ -10,7 +10,7 @@ Invariants:
 """
 from __future__ import annotations
 
-from kiln.sampling import SamplingParams
+from kiln.sampling.params import SamplingParams
 
 
 class OutputText:

@@ -1,3 +1,6 @@
-from kiln.entrypoints.llm import LLM
+"""What users call: the `LLM` class, the OpenAI-compatible server, the engine flags."""
+from kiln.exports import lazy_exports
 
-__all__ = ["LLM"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "LLM": "llm",
+})

@@ -9,10 +9,11 @@ from typing import Any, Iterator, Sequence
 
 from tqdm import tqdm
 
-from kiln.config import EngineConfig
-from kiln.engine import CompletionOutput, LLMEngine, RequestOutput
-from kiln.lora import LoRARequest
-from kiln.sampling import RequestOutputKind, SamplingParams
+from kiln.config.engine import EngineConfig
+from kiln.engine.outputs import CompletionOutput, RequestOutput
+from kiln.engine.llm_engine import LLMEngine
+from kiln.lora.request import LoRARequest
+from kiln.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -9,29 +9,8 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
-from kiln.forward_context import BatchDescriptor
-from kiln.graphs.mode import CUDAGraphMode
-
-MAX_DEFAULT_CAPTURE_SIZE = 512
-
-
-def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """1, 2, 4, 8, 16, 24, ... (step 8 up to 256, then 16) up to twice the request limit
-    (decode batches never exceed max_num_seqs tokens; the head room serves small mixed
-    batches), at most 512 and at most max_num_batched_tokens."""
-    top = min(2 * max_num_seqs, MAX_DEFAULT_CAPTURE_SIZE, max_num_batched_tokens)
-    ladder = [1, 2, 4, *range(8, 256, 8), *range(256, MAX_DEFAULT_CAPTURE_SIZE + 1, 16)]
-    return [s for s in ladder if s <= top]
-
-
-def validate_capture_sizes(sizes: Sequence[int], max_num_batched_tokens: int) -> list[int]:
-    for s in sizes:
-        if not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= max_num_batched_tokens:
-            raise ValueError(f"compilation.cudagraph_capture_sizes entry {s!r} must be an "
-                             f"integer in [1, max_num_batched_tokens={max_num_batched_tokens}]"
-                             "; drop it or raise max_num_batched_tokens")
-    return sorted(set(sizes))
-
+from kiln.attention.forward_context import BatchDescriptor
+from kiln.config.compilation import CUDAGraphMode
 
 class GraphDispatcher:
     """Owns the `BatchDescriptor` keys for one resolved mode.

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
-from kiln.forward_context import BatchDescriptor, get_forward_context_or_none
+from kiln.attention.forward_context import BatchDescriptor, get_forward_context_or_none
 from kiln.graphs.graph import Graph, weak_ref_tensors
-from kiln.graphs.mode import CUDAGraphMode
+from kiln.config.compilation import CUDAGraphMode
 
 logger = logging.getLogger(__name__)
 

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.kv_transfer.config import KVTransferConfig
+from kiln.config.kv_transfer import KVTransferConfig
 from kiln.kv_transfer.layout import KVLayout
 from kiln.kv_transfer.stats import KVTransferStats
 
 if TYPE_CHECKING:
-    from kiln.engine.request import Request
-    from kiln.scheduler.block_pool import KVCacheBlock
+    from kiln.request import Request
+    from kiln.kv_cache.block_pool import KVCacheBlock
 
 logger = logging.getLogger(__name__)
 _RECENT_SAVES = 1 << 16  # hashes handed to the worker lately: never saved twice meanwhile

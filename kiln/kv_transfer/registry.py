@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
+
+from kiln.config.kv_transfer import CONNECTOR_FIELDS
 
 if TYPE_CHECKING:
     from kiln.kv_transfer.base import KVConnector, KVConnectorRole
-    from kiln.kv_transfer.config import KVTransferConfig
+    from kiln.config.kv_transfer import KVTransferConfig
     from kiln.kv_transfer.layout import KVLayout
 
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -15,11 +17,14 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 }
 
 
-def register_connector(name: str, module: str, class_name: str) -> None:
-    """Add a connector: `module.class_name` subclasses `KVConnector`."""
+def register_connector(name: str, module: str, class_name: str,
+                       extra_fields: Iterable[str] = ()) -> None:
+    """Add a connector: `module.class_name` subclasses `KVConnector`; `extra_fields` are
+    the keys its `kv_connector_extra_config` may hold (the config checks them by name)."""
     if name in _REGISTRY:
         raise ValueError(f"a KV connector named {name!r} is already registered")
     _REGISTRY[name] = (module, class_name)
+    CONNECTOR_FIELDS[name] = set(extra_fields)
 
 
 def connector_names() -> tuple[str, ...]:

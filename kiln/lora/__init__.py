@@ -1,5 +1,6 @@
 """Multi-LoRA serving: adapters in device slots, one batched op, no recompiles."""
-from kiln.lora.config import LoRAConfig
-from kiln.lora.request import LoRAError, LoRARequest
+from kiln.exports import lazy_exports
 
-__all__ = ["LoRAConfig", "LoRAError", "LoRARequest"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "LoRAError": "request", "LoRAManager": "manager", "LoRARequest": "request",
+})

@@ -1,7 +1,7 @@
 """Give a model's linears LoRA slots, and write adapters into them.
 
 `install_slots` runs once, before compiling: every kiln `Linear` inside the decoder
-layers gets zeroed slot buffers (kiln.lora.ops has the layout) and shares one
+layers gets zeroed slot buffers (kiln.ops.lora has the layout) and shares one
 `lora_indices` tensor, all registered as buffers so the traced graph takes them as inputs.
 Afterwards only their contents change (`write_slot`, `clear_slot`), never their identity:
 the compiled graph and any captured CUDA graph keep reading the same addresses.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kiln.distributed import tp_rank
-from kiln.lora.config import LoRAConfig
+from kiln.distributed.parallel_state import tp_rank
+from kiln.config.lora import LoRAConfig
 from kiln.models.layers import Linear
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear
 

@@ -13,10 +13,11 @@ from collections import Counter
 import torch
 
 from kiln.lora.adapter import load_adapter
-from kiln.lora.config import LoRAConfig
+from kiln.config.lora import LoRAConfig
 from kiln.lora.layers import lora_targets
 from kiln.lora.request import LoRAError, LoRARequest
-from kiln.models import ModelConfig, model_class
+from kiln.models.model_config import ModelConfig
+from kiln.models.registry import model_class
 
 
 class AdapterRegistry:

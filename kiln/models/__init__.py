@@ -1,5 +1,7 @@
-from kiln.models.loader import build_model
-from kiln.models.model_config import ModelConfig
-from kiln.models.registry import MODEL_REGISTRY, model_class
+"""Model code (Llama family, Gemma, MoE), configs, loaders and weight packing."""
+from kiln.exports import lazy_exports
 
-__all__ = ["MODEL_REGISTRY", "ModelConfig", "build_model", "model_class"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "build_model": "loader", "model_class": "registry", "MODEL_REGISTRY": "registry",
+    "ModelConfig": "model_config",
+})

@@ -6,14 +6,30 @@ import math
 import torch
 from torch import nn
 
-from kiln.lora.ops import add_lora
-from kiln.quantization.methods import UNQUANTIZED
+from kiln.ops.linear import linear
+from kiln.ops.lora import add_lora
+
+
+class LinearMethod:
+    """The unquantized GEMM over `layer.weight`."""
+
+    quantized = False
+    name = "unquantized"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        return linear(x, layer.weight, bias, layer.packed_weight, layer.dense_from)
+
+
+# Every Linear's method until quantization installs another (kiln.quantization.methods).
+UNQUANTIZED = LinearMethod()
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose GEMM is its `quant_method`'s (kiln.quantization.methods): the float
-    weight, prepacked or not (`kiln.ops.linear.pack_linears`), or a quantized one. With
-    LoRA on, each token then adds its adapter's update (kiln.lora.ops)."""
+    """nn.Linear whose GEMM is its `quant_method`'s: the float weight (UNQUANTIZED),
+    prepacked or not (`kiln.models.packing.pack_linears`), or a quantized one
+    (kiln.quantization.methods). With
+    LoRA on, each token then adds its adapter's update (kiln.ops.lora)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -21,7 +37,7 @@ class Linear(nn.Linear):
         # the graph from module paths); not persistent, as checkpoints hold `weight`.
         self.register_buffer("packed_weight", None, persistent=False)
         self.dense_from = 0  # rows from which F.linear on `weight` runs (the plan's choice)
-        # A quantized weight (kiln.quantization.packing.QuantWeight), installed at load.
+        # A quantized weight (kiln.ops.quant_packing.QuantWeight), installed at load.
         for name in ("qcodes", "qscales", "qmins"):
             self.register_buffer(name, None, persistent=False)
         self.qfmt = -1

@@ -7,7 +7,7 @@ One design serves tensor parallelism, quantization and LoRA:
 - the *GEMM* is the layer's `quant_method` (kiln.quantization.methods: prepacked bf16 or
   F.linear, or a quantized weight made after loading the local slice);
 - the *collective* after a row-parallel GEMM (all-reduce) and the gather after the
-  vocab-parallel lm_head are custom ops (`kiln.distributed.ops`), so the graph stays whole.
+  vocab-parallel lm_head are custom ops (`kiln.distributed.collectives`), so the graph stays whole.
 - the *adapter* (kiln.lora) adds each token's LoRA update after the GEMM, on the same
   local shapes (a row-parallel layer adds it to its partial sum).
 
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kiln.distributed import tp_all_reduce, tp_rank, tp_size
-from kiln.lora.ops import add_lora
+from kiln.distributed.collectives import tp_all_reduce
+from kiln.distributed.parallel_state import tp_rank, tp_size
+from kiln.ops.lora import add_lora
 from kiln.models.layers import Linear
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.attention import Attention
-from kiln.distributed import tp_size
+from kiln.attention.layer import Attention
+from kiln.distributed.parallel_state import tp_size
 from kiln.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
 from kiln.models.model_config import ModelConfig

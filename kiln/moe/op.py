@@ -41,7 +41,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
 def triton_moe_ready() -> bool:
     """The Triton expert kernel (kiln.moe.triton_moe) serves CUDA tensors where Triton is
     installed; the grouped PyTorch loop serves the rest."""
-    from kiln.attention.kernels.triton_runtime import triton_installed
+    from kiln.ops.triton_runtime import triton_installed
 
     return triton_installed()
 

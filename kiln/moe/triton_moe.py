@@ -70,7 +70,7 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, experts: torch.
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, pairs: torch.Tensor,
             block_experts: torch.Tensor, weights: torch.Tensor | None, a_div: int) -> None:
-    from kiln.attention.kernels.triton_runtime import interpreter_requested
+    from kiln.ops.triton_runtime import interpreter_requested
 
     kernel = _kernel()
     n, kdim = b.shape[1], b.shape[2]

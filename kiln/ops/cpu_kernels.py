@@ -4,7 +4,7 @@ The kernels are compiled with the host's g++ the first time an engine starts on 
 with AVX2 or AVX512 (about 30 s on two cores, shown as one log line; the sources include ATen and
 torch/library.h rather than torch/extension.h, which measured 39 s of g++ per file
 against 12 s), for the host's ISA class
-(`isa_class`: AMX, AVX512-BF16, plain AVX512 or AVX2; see csrc/simd.h), and the shared
+(`kiln.platforms.cpu.isa_class`: AMX, AVX512-BF16, plain AVX512 or AVX2; see csrc/simd.h), and the shared
 object is kept in the kiln cache directory under a hash of the source, the flags and the
 torch version, so later starts only `dlopen` it. `KILN_CPU_ISA` caps the class, so one
 host can run the paths of the others (`avx512_bf16` on an AMX host is the reference
@@ -31,6 +31,10 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from kiln import envs
+from kiln.ops.cpu_fakes import register_fakes
+from kiln.platforms.cpu import isa_class
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -40,7 +44,7 @@ SOURCES = [CSRC / name for name in ("linear_bf16.cpp", "linear_quant.cpp",
                                       "greedy.cpp", "lora.cpp", "bitmask.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "linear_quant.h", "attention_decode.h")]
-# The ISA classes, best first, with the instructions each build may use.
+# The instructions each ISA class's build may use (kiln.platforms.cpu names the classes).
 ISA_FLAGS = {
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16",
             "-mamx-tile", "-mamx-bf16"],
@@ -48,37 +52,9 @@ ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
-ISA_CLASSES = (*ISA_FLAGS, "none")
 LIB_NAME = "kiln_cpu_ops"
 
 _state: dict[str, str | None] = {"signature": None, "reason": "not requested"}
-
-
-def host_isa() -> str:
-    """This CPU's class: 'amx', 'avx512_bf16', 'avx512', 'avx2' or 'none'."""
-    # The bf16 classes' builds use AVX512-VNNI too (the Q4 decode kernel); every CPU with
-    # AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later) has it.
-    vnni = torch.cpu._is_vnni_supported()
-    if torch.cpu._is_amx_tile_supported() and vnni:
-        return "amx"
-    if torch.cpu._is_avx512_bf16_supported() and vnni:
-        return "avx512_bf16"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512"):
-        return "avx512"
-    return "avx2" if capability == "AVX2" else "none"
-
-
-def isa_class() -> str:
-    """The class the kernels are built for: the host's, capped by KILN_CPU_ISA."""
-    host = host_isa()
-    cap = os.environ.get("KILN_CPU_ISA", "").strip().lower()
-    if not cap:
-        return host
-    if cap not in ISA_CLASSES:
-        raise ValueError(f"KILN_CPU_ISA={cap!r} is not an ISA class; use one of "
-                         f"{', '.join(ISA_CLASSES)} (or unset it for this host's, {host!r})")
-    return ISA_CLASSES[max(ISA_CLASSES.index(cap), ISA_CLASSES.index(host))]
 
 
 def cflags(isa: str) -> list[str]:
@@ -130,7 +106,7 @@ def unavailable_reason() -> str | None:
 
 def host_supports() -> str | None:
     """None when this host can run the kernels, else why not."""
-    if os.environ.get("KILN_CPU_KERNELS", "1") == "0":
+    if not envs.KILN_CPU_KERNELS:
         return "disabled by KILN_CPU_KERNELS=0"
     isa = isa_class()
     if isa not in ISA_FLAGS:
@@ -165,8 +141,6 @@ def _load(cache_root: Path, progress: bool) -> None:
         if not target.exists():
             _build(target, progress)
     torch.ops.load_library(str(target))
-    from kiln.ops.linear import register_fakes
-
     register_fakes()
     # AMX tiles need the kernel's permission per process; without it (or in a build for
     # another class) the register-tiled kernel runs at every row count.

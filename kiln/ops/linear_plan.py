@@ -63,7 +63,7 @@ def plan_from_times(times: Mapping[int, Mapping[str, float]]) -> LinearPlan:
 def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
                      ) -> dict[tuple[int, int], LinearPlan]:
     """{(n, k): plan} from a device's "linear" tuning entries for `dtype`."""
-    from kiln.bench.tuning import times_by_shape
+    from kiln.ops.tuning import times_by_shape
 
     times = times_by_shape(entries, dtype, lambda d: (int(d["n"]), int(d["k"])), "rows")
     return {shape: plan_from_times(t) for shape, t in times.items()}
@@ -71,6 +71,6 @@ def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
 
 def load_plans(dtype: torch.dtype, device: torch.device) -> dict[tuple[int, int], LinearPlan]:
     """The tuning table's plans for this host (empty: the defaults apply)."""
-    from kiln.bench.tuning import device_entries
+    from kiln.ops.tuning import device_entries
 
     return plans_from_table(device_entries("linear", device), dtype)

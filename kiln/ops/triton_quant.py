@@ -2,7 +2,7 @@
 
 Each program computes a [BM, BN] output tile: per K step it loads x [BM, BK] and the
 codes of a [BN, BK] weight tile straight from the packed layout
-(kiln/quantization/packing.py), dequantizes them in registers (`q * s`, `q * d`,
+(kiln/ops/quant_packing.py), dequantizes them in registers (`q * s`, `q * d`,
 `q * d + m`, float8 e4m3 decoded from its bits) and accumulates `tl.dot` in fp32 (bf16
 and fp16 activations multiply on the tensor cores in their own dtype; fp32 ones in IEEE
 fp32, for parity); the per-row scale of INT8 and FP8 applies after the loop. The weight
@@ -88,7 +88,7 @@ _compiled: list = []
 def _low_precision(dtype: torch.dtype) -> bool:
     """bf16/fp16 dots on the tensor cores; Triton's interpreter computes bf16 tl.dot
     wrongly (see kiln/attention/kernels/attention_kernel.py), so interpreted runs stay fp32."""
-    from kiln.attention.kernels.triton_runtime import interpreter_requested
+    from kiln.ops.triton_runtime import interpreter_requested
 
     return dtype in (torch.bfloat16, torch.float16) and not interpreter_requested()
 

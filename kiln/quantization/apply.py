@@ -9,10 +9,10 @@ from torch import nn
 
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import param_owners
-from kiln.quantization.config import QuantizationConfig
+from kiln.config.quantization import QuantizationConfig
 from kiln.quantization.methods import QuantizedLinearMethod, format_name, install
-from kiln.quantization.packing import (FORMAT_NAMES, Q4, Q8, QuantWeight, packable_shape,
-                                       quantize_fp8, quantize_int8, quantize_int8_groups)
+from kiln.ops.quant_packing import (FORMAT_NAMES, packable_shape, Q4, Q8, quantize_fp8,
+                                    quantize_int8, quantize_int8_groups, QuantWeight)
 from kiln.quantization.plan import layer_panel_from, load_panel_plans
 
 logger = logging.getLogger(__name__)

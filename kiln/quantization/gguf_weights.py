@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kiln.models.gguf_arch import EXPERT_STACKS, GGUFArch, architecture, hf_name, unpermute_rope_rows
-from kiln.quantization.packing import QuantWeight, pack_q4, pack_q8, packable_shape
+from kiln.ops.quant_packing import pack_q4, pack_q8, packable_shape, QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _pack(model: nn.Module, parts: list[tuple[object, str]], arch: GGUFArch) -> 
 def gguf_linears(model: nn.Module, path: Path) -> tuple[dict[str, QuantWeight], list[str]]:
     """({module name: packed weight} for every linear that runs natively, [warnings])."""
     from kiln.models.layers import Linear
-    from kiln.quantization.config import open_gguf
+    from kiln.quantization.resolve import open_gguf
 
     reader = open_gguf(path)
     arch = architecture(reader, path)

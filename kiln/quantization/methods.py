@@ -1,8 +1,9 @@
-"""Per-layer linear methods: how a `kiln.models.layers.Linear` computes its GEMM.
+"""The quantized linear method a `kiln.models.layers.Linear` computes its GEMM with.
 
 Every Linear delegates `forward` to its `quant_method`, so model files never change:
-- `UNQUANTIZED`: the float weight (kiln's packed bf16 kernel or F.linear, as planned);
-- `QuantizedLinearMethod`: a `QuantWeight` (kiln.quantization.packing) installed as the
+- `UNQUANTIZED` (kiln.models.layers, each layer's default): the float weight (kiln's
+  packed bf16 kernel or F.linear, as planned);
+- `QuantizedLinearMethod`: a `QuantWeight` (kiln.ops.quant_packing) installed as the
   layer's buffers `qcodes`, `qscales`, `qmins`, run by the `kiln_cpu::linear_quant`
   custom op (fake-registered: the compiled graph calls it like any op).
 `panel_from` (the row count from which the kernel's panel path runs) is a per-layer
@@ -13,19 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.ops.linear import linear, linear_quant
-from kiln.quantization.packing import FORMAT_NAMES, QuantWeight
-
-
-class LinearMethod:
-    """The unquantized GEMM over `layer.weight`."""
-
-    quantized = False
-    name = "unquantized"
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-              ) -> torch.Tensor:
-        return linear(x, layer.weight, bias, layer.packed_weight, layer.dense_from)
+from kiln.models.layers import LinearMethod
+from kiln.ops.linear import linear_quant
+from kiln.ops.quant_packing import FORMAT_NAMES, QuantWeight
 
 
 class QuantizedLinearMethod(LinearMethod):
@@ -40,9 +31,6 @@ class QuantizedLinearMethod(LinearMethod):
               ) -> torch.Tensor:
         return linear_quant(x, layer.qcodes, layer.qscales, layer.qmins, bias, layer.qfmt,
                             layer.panel_from)
-
-
-UNQUANTIZED = LinearMethod()
 
 
 def install(layer: nn.Module, weight: QuantWeight, method: QuantizedLinearMethod,

@@ -38,7 +38,7 @@ def default_panel_from(fmt: int, isa: str | None = None) -> int:
       rows, 1.2-2.1x at 32-128: 8.
     - plain AVX512 (Zen 4's FMAs): the fp32 panel did not beat the direct kernel at any
       row count: never."""
-    from kiln.quantization.packing import INT8, Q4
+    from kiln.ops.quant_packing import INT8, Q4
 
     isa = isa or _loaded_isa()
     if isa == "avx512_bf16":
@@ -61,7 +61,7 @@ EXACT_PREFILL_ROWS = 64
 def layer_panel_from(fmt: int, tuned: int | None, isa: str | None = None) -> int:
     """A layer's panel row count: the table's (`tuned`, None without an entry) or the
     ISA default, capped at EXACT_PREFILL_ROWS where the direct kernel quantizes x."""
-    from kiln.quantization.packing import Q4, Q8
+    from kiln.ops.quant_packing import Q4, Q8
 
     isa = isa or _loaded_isa()
     start = default_panel_from(fmt, isa) if tuned is None else tuned
@@ -85,7 +85,7 @@ def panel_from_times(times: Mapping[int, Mapping[str, float]]) -> int:
 def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
                      ) -> dict[tuple[str, int, int], int]:
     """{(format, n, k): panel_from} from a device's "linear_quant" entries for `dtype`."""
-    from kiln.bench.tuning import times_by_shape
+    from kiln.ops.tuning import times_by_shape
 
     times = times_by_shape(entries, dtype, lambda d: (d["fmt"], int(d["n"]), int(d["k"])),
                            "rows")
@@ -93,6 +93,6 @@ def plans_from_table(entries: Mapping[str, Any], dtype: torch.dtype
 
 
 def load_panel_plans(dtype: torch.dtype) -> dict[tuple[str, int, int], int]:
-    from kiln.bench.tuning import device_entries
+    from kiln.ops.tuning import device_entries
 
     return plans_from_table(device_entries("linear_quant", torch.device("cpu")), dtype)

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kiln.distributed import tp_rank
-from kiln.quantization.packing import QuantWeight, pack_int8, packable_shape
+from kiln.distributed.parallel_state import tp_rank
+from kiln.ops.quant_packing import pack_int8, packable_shape, QuantWeight
 
 
 def read_scales(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:

@@ -1,3 +1,6 @@
-from kiln.runner.model_runner import CachedRequestState, ModelRunner, RunnerLimits
+"""The model runner: persistent buffers, inputs, padding, logits, sampling, drafters."""
+from kiln.exports import lazy_exports
 
-__all__ = ["CachedRequestState", "ModelRunner", "RunnerLimits"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "CachedRequestState": "state", "ModelRunner": "model_runner", "RunnerLimits": "state",
+})

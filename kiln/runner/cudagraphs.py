@@ -11,15 +11,18 @@ import torch
 from torch import fx
 from tqdm import tqdm
 
-from kiln.attention import AttentionCGSupport
-from kiln.compiler import PiecewiseBackend
-from kiln.config import CompilationConfig, CompilationMode
-from kiln.graphs import (CpuTestGraph, CUDAGraphMode, CUDAGraphWrapper, CudaGraph,
-                         GraphDispatcher, global_graph_pool, lower_for_attention)
-from kiln.forward_context import BatchDescriptor, set_forward_context
-from kiln.graphs import capture_phase
+from kiln.attention.backend import AttentionCGSupport
+from kiln.compiler.piecewise import PiecewiseBackend
+from kiln.config.compilation import CompilationConfig, CompilationMode
+from kiln.graphs.graph import CpuTestGraph, CudaGraph, global_graph_pool
+from kiln.config.compilation import CUDAGraphMode
+from kiln.graphs.wrapper import CUDAGraphWrapper
+from kiln.graphs.dispatcher import GraphDispatcher
+from kiln.graphs.mode import lower_for_attention
+from kiln.attention.forward_context import BatchDescriptor, set_forward_context
+from kiln.graphs.wrapper import capture_phase
 from kiln.graphs.wrapper import GraphFactory
-from kiln.platform import current_platform
+from kiln.platforms import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ def capture_all(runner: Any, progress: bool = False) -> int:
     """Capture every key the dispatcher hands out, largest first per mode, before the
     first request; serving never captures."""
     start = time.perf_counter()
-    warmups = current_platform(runner.device).graph_warmups
+    warmups = platform_for(runner.device).graph_warmups
     count = 0
     with capture_phase():
         for mode, descs in runner.dispatcher.capture_descriptors():

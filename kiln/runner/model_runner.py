@@ -13,74 +13,44 @@ nothing).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
-from kiln.attention import AttentionMetadata, select_backend
-from kiln.compiler import compile_model, default_cache_root
-from kiln.config import CompilationConfig, CompilationMode
-from kiln.forward_context import BatchDescriptor, ForwardContext, set_forward_context
-from kiln.kv_transfer import KVConnectorRole, KVTransferConfig, connector_for
-from kiln.graphs import CUDAGraphMode
-from kiln.lora import LoRAConfig, LoRARequest
+from kiln.attention.backend import AttentionMetadata
+from kiln.attention.selector import select_backend
+from kiln.compiler.build import compile_model
+from kiln.compiler.cache import default_cache_root
+from kiln.config.compilation import CompilationConfig, CompilationMode
+from kiln.attention.forward_context import BatchDescriptor, ForwardContext, set_forward_context
+from kiln.kv_transfer.base import KVConnectorRole
+from kiln.config.kv_transfer import KVTransferConfig
+from kiln.kv_transfer.registry import connector_for
+from kiln.config.compilation import CUDAGraphMode
+from kiln.config.lora import LoRAConfig
 from kiln.lora.manager import LoRAManager
-from kiln.models import ModelConfig, build_model
-from kiln.moe.cpu_plan import load_moe_plans, pack_experts
+from kiln.models.model_config import ModelConfig
+from kiln.models.loader import build_model
 from kiln.ops import cpu_kernels
-from kiln.ops.linear import pack_linears
 from kiln.runner.huge_pages import move_weights_to_huge_pages
-from kiln.ops.linear_plan import load_plans
-from kiln.quantization import QuantizationConfig
+from kiln.config.quantization import QuantizationConfig
 from kiln.quantization.apply import apply_quantization
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import (capture_all, graph_factory, resolve_dispatcher, wrap_full,
                                     wrap_pieces)
-from kiln.runner.kv_cache import build_kv_cache
+from kiln.runner.kv_alloc import build_kv_cache
 from kiln.runner.prompt_logprobs import compute_prompt_logprobs
-from kiln.sampling import Sampler, SamplingParams
+from kiln.sampling.sampler import Sampler
 from kiln.runner.sample_step import sample_step
-from kiln.scheduler import ModelRunnerOutput, SchedulerOutput
-from kiln.spec_decode import SpeculativeConfig
-from kiln.spec_decode.draft_length import DecodeStepTimer
-from kiln.spec_decode.drafter import make_drafter
+from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kiln.config.speculative import SpeculativeConfig
+from kiln.runner.step_timer import DecodeStepTimer
+from kiln.runner.drafter import DraftModelDrafter, Drafter, NgramDrafter
+from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow
+from kiln.models.packing import pack_cpu_weights, plan_signature
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]  # prompt + every token sampled so far
-    block_ids: list[list[int]]  # per KV-cache group
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    num_prompt_tokens: int
-    eos_token_ids: tuple[int, ...]
-    lora_request: LoRARequest | None = None
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
-
-
-@dataclass(slots=True)
-class StepRow:
-    """One request's share of a forward: its input tokens this step, the first one at
-    position `start`, with the blocks that hold its KV."""
-
-    token_ids: list[int]
-    start: int
-    block_ids: list[list[int]]  # per KV-cache group
-    lora_slot: int = -1  # -1: the base model
-
-
-@dataclass(slots=True)
-class RunnerLimits:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    block_size: int
 
 
 class ModelRunner:
@@ -142,7 +112,8 @@ class ModelRunner:
                 self.model, compilation, dtype, device, limits.max_num_batched_tokens,
                 progress, attention_backend=backend_cls.name,
                 quantization=self.quantization.cache_key(),
-                lora=lora.cache_key() if lora else None)
+                lora=lora.cache_key() if lora else None,
+                weight_plan=plan_signature(self.model))
             self._compile_now()
         self.graph_capture_s = 0.0
         if self.dispatcher.mode:
@@ -383,17 +354,17 @@ class ModelRunner:
         return out
 
 
-def pack_cpu_weights(model: torch.nn.Module, model_config: ModelConfig, dtype: torch.dtype,
-                     device: torch.device) -> None:
-    """Lay bf16 weights out for kiln's CPU kernels as the tuning table's plans say (before
-    tracing: the graph calls the packed kernels only where a layer is packed)."""
-    plans = load_plans(dtype, device)
-    logger.info("packed %d bf16 linear weights for kiln's CPU kernels (%s)",
-                pack_linears(model, plans),
-                "; ".join(f"{n}x{k}: {p.describe()}" for (n, k), p in plans.items())
-                or "no tuning table entries: packed at every row count")
-    if model_config.moe is not None:
-        moe_plans = load_moe_plans(dtype, device)
-        logger.info("experts for kiln's CPU kernels: %s%s",
-                    "; ".join(pack_experts(model, moe_plans)) or "none packed",
-                    "" if moe_plans else " (no tuning table entries: the default)")
+def make_drafter(config: SpeculativeConfig, target: ModelRunner,
+                 draft_config: ModelConfig | None, compilation: CompilationConfig | None,
+                 attention_backend: str | None, progress: bool) -> Drafter:
+    """The proposer: n-gram lookup, or a draft model in a runner of its own whose KV cache
+    matches the target's blocks one for one (it reads the target's block tables)."""
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    runner = ModelRunner(draft_config, target.dtype, target.device, target.limits,
+                         num_kv_blocks=target.num_kv_blocks,
+                         attention_backend=attention_backend, compilation=compilation,
+                         progress=progress)
+    logger.info("draft model %s ready (%d KV blocks, its own compiled graphs)",
+                draft_config.architecture, runner.num_kv_blocks)
+    return DraftModelDrafter(config, runner)

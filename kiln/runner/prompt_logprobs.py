@@ -13,7 +13,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from kiln.sampling import LogprobsLists
+from kiln.sampling.logprobs import LogprobsLists
 from kiln.sampling.logprobs import gather_logprobs
 from kiln.sampling.params import SamplingParams
 

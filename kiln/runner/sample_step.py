@@ -10,19 +10,30 @@ decoding without speculation exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from kiln.distributed import get_tp_group
-from kiln.sampling import SamplingMetadata, SamplingParams
+from kiln.distributed.parallel_state import get_tp_group
+from kiln.sampling.metadata import SamplingMetadata
+from kiln.sampling.params import SamplingParams
 from kiln.sampling.logprobs import gather_logprobs
 from kiln.sampling.metadata import grammar_rows
-from kiln.scheduler import ModelRunnerOutput, SchedulerOutput
+from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kiln.spec_decode.rejection import DraftRows, verify
 
-if TYPE_CHECKING:
-    from kiln.runner.model_runner import CachedRequestState, ModelRunner
+from kiln.models.model_config import ModelConfig
+from kiln.runner.state import CachedRequestState
+from kiln.sampling.sampler import Sampler
+
+
+class SamplingRunner(Protocol):
+    """What the sampling step reads of its runner (a `ModelRunner`)."""
+
+    device: torch.device
+    config: ModelConfig
+    model: torch.nn.Module
+    sampler: Sampler
 
 
 @dataclass(slots=True)
@@ -53,7 +64,7 @@ class _DraftPrefixRow:
         return self.state.generator
 
 
-def sample_step(runner: ModelRunner, hidden: torch.Tensor, states: list[CachedRequestState],
+def sample_step(runner: SamplingRunner, hidden: torch.Tensor, states: list[CachedRequestState],
                 out: ModelRunnerOutput, so: SchedulerOutput) -> dict[str, list[int]]:
     """Sample (and verify) every request in `states`, whose logits rows `hidden` holds
     in order; append the emitted tokens to each state and put the logprobs asked for

@@ -1,9 +1,10 @@
-from kiln.sampling.logprobs import (Logprob, LogprobsLists, LogprobsTensors, PositionLogprobs,
-                                    to_position_dicts)
-from kiln.sampling.metadata import SamplingMetadata
-from kiln.sampling.params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
-from kiln.sampling.sampler import Sampler, SamplerOutput
+"""Sampling parameters, the sampler and logprobs."""
+from kiln.exports import lazy_exports
 
-__all__ = ["MAX_LOGPROBS", "Logprob", "LogprobsLists", "LogprobsTensors", "PositionLogprobs",
-           "RequestOutputKind", "Sampler", "SamplerOutput", "SamplingMetadata",
-           "SamplingParams", "to_position_dicts"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "Logprob": "logprobs", "LogprobsLists": "logprobs", "LogprobsTensors": "logprobs",
+    "MAX_LOGPROBS": "params", "PositionLogprobs": "logprobs",
+    "RequestOutputKind": "params", "Sampler": "sampler", "SamplerOutput": "sampler",
+    "SamplingMetadata": "metadata", "SamplingParams": "params",
+    "to_position_dicts": "logprobs",
+})

@@ -1,15 +1,8 @@
-from kiln.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kiln.scheduler.block_hash import BlockHasher, hash_block
-from kiln.scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from kiln.scheduler.kv_cache_spec import (FullAttentionSpec, KVCacheGroupSpec, KVCacheSpec,
-                                         SlidingWindowSpec, group_layers)
-from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                   SchedulerOutput)
-from kiln.scheduler.scheduler import Scheduler
-from kiln.scheduler.step import EngineCoreOutput, SchedulerPolicy, SchedulerStats
+"""The continuous-batching scheduler and what it hands the runner each step."""
+from kiln.exports import lazy_exports
 
-__all__ = ["BlockHasher", "PrefixCacheStats", "SchedulerPolicy", "SchedulerStats",
-           "hash_block", "BlockPool", "CachedRequestData", "EngineCoreOutput", "FreeKVCacheBlockQueue",
-           "FullAttentionSpec", "KVCacheBlock", "KVCacheGroupSpec", "KVCacheManager", "KVCacheSpec",
-           "SlidingWindowSpec", "group_layers",
-           "ModelRunnerOutput", "NewRequestData", "Scheduler", "SchedulerOutput"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "CachedRequestData": "output", "EngineCoreOutput": "step",
+    "ModelRunnerOutput": "output", "NewRequestData": "output", "Scheduler": "scheduler",
+    "SchedulerOutput": "output", "SchedulerPolicy": "step", "SchedulerStats": "step",
+})

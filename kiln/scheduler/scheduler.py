@@ -14,15 +14,15 @@ import time
 from concurrent import futures
 from typing import TYPE_CHECKING
 
-from kiln.engine.request import Request, RequestStatus
-from kiln.scheduler.kv_cache_manager import BlockLists, KVCacheManager
+from kiln.request import Request, RequestStatus
+from kiln.kv_cache.kv_cache_manager import BlockLists, KVCacheManager
 from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
 from kiln.scheduler.step import EngineCoreOutput, SchedulerPolicy, SchedulerStats, StepPlan
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that serve a constraint
-    from kiln.kv_transfer import KVConnector
-    from kiln.spec_decode import SpecDecodingStats
+    from kiln.kv_transfer.base import KVConnector
+    from kiln.spec_decode.metrics import SpecDecodingStats
     from kiln.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

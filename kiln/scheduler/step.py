@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from kiln.scheduler.output import CachedRequestData, NewRequestData
 
 if TYPE_CHECKING:
-    from kiln.kv_transfer import KVTransferStats
-    from kiln.spec_decode import SpecDecodingStats
+    from kiln.kv_transfer.stats import KVTransferStats
+    from kiln.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """Speculative decoding: proposers (n-gram prompt lookup, a draft model), the rejection
-sampler that verifies their tokens in one target forward, and acceptance metrics."""
-from kiln.spec_decode.config import SpeculativeConfig, parse_speculative_config
-from kiln.spec_decode.metrics import SpecDecodingStats
-from kiln.spec_decode.ngram import NgramProposer
+sampler that verifies their tokens in one target forward, and acceptance metrics.
+"""
+from kiln.exports import lazy_exports
 
-__all__ = ["NgramProposer", "SpecDecodingStats", "SpeculativeConfig",
-           "parse_speculative_config"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "choose_lengths": "draft_length", "NgramProposer": "ngram",
+    "SpecDecodingStats": "metrics",
+})

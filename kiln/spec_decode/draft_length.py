@@ -22,11 +22,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import time
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from kiln.scheduler.output import SchedulerOutput
 
 # Prior chances (as pseudo-counts) that the first draft token is accepted and that each
 # later one is, given the ones before it were: later tokens continue a match that held.
@@ -133,24 +128,3 @@ def choose_lengths(chances: dict[str, list[float]], fixed_tokens: int,
     for rid in taken[:keep]:
         lengths[rid] += 1
     return lengths
-
-
-class DecodeStepTimer:
-    """Times decode steps for the drafter (`observe(tokens, seconds)`): a step's cost is
-    the time from its start to the next one's, its scheduling and output processing
-    included (they grow with a step's tokens too), where both are decode steps (a token
-    per request plus its drafts, no prefill rows). A decode step followed by anything
-    else is not timed: what comes between may be a new request's arrival, or nothing."""
-
-    def __init__(self, observe: Callable[[int, float], None]) -> None:
-        self.observe = observe
-        self._last: tuple[int, float] | None = None  # (tokens, start) of the last step
-
-    def start(self, so: SchedulerOutput) -> None:
-        now = time.perf_counter()
-        drafted = sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
-        decode = not so.is_empty and (so.total_num_scheduled_tokens - drafted
-                                      == len(so.num_scheduled_tokens))
-        if decode and self._last is not None:
-            self.observe(self._last[0], now - self._last[1])
-        self._last = (so.total_num_scheduled_tokens, now) if decode else None

@@ -1,5 +1,8 @@
 """Structured output: constraints (JSON schema, regex, choice, EBNF) compiled by
-xgrammar off the engine thread and enforced each step through a token bitmask."""
-from kiln.structured_output.params import StructuredOutputsParams
+xgrammar off the engine thread and enforced each step through a token bitmask.
+"""
+from kiln.exports import lazy_exports
 
-__all__ = ["StructuredOutputsParams"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "StructuredOutputManager": "manager", "StructuredOutputsParams": "params",
+})

@@ -8,10 +8,13 @@ from torch import nn
 
 from conftest import random_prompts
 from kiln import LLM, SamplingParams
-from kiln.attention import BACKENDS, AttentionCGSupport
-from kiln.forward_context import ForwardContext, set_forward_context
-from kiln.graphs import (CUDAGraphMode as M, CUDAGraphWrapper, CudaGraph, GraphDispatcher,
-                         capture_phase, global_graph_pool)
+from kiln.attention.selector import BACKENDS
+from kiln.attention.backend import AttentionCGSupport
+from kiln.attention.forward_context import ForwardContext, set_forward_context
+from kiln.config.compilation import CUDAGraphMode as M
+from kiln.graphs.wrapper import capture_phase, CUDAGraphWrapper
+from kiln.graphs.graph import CudaGraph, global_graph_pool
+from kiln.graphs.dispatcher import GraphDispatcher
 from kiln.runner.cudagraphs import graph_factory
 
 pytestmark = [pytest.mark.gpu,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.lora.ops import lora_apply
+from kiln.ops.lora import lora_apply
 from test_lora_triton import compare, make_case
 
 pytestmark = [pytest.mark.gpu,
@@ -27,7 +27,7 @@ def check(out: torch.Tensor, args: tuple[torch.Tensor, ...]) -> None:
 
 
 def test_the_op_dispatches_to_triton_on_cuda():
-    from kiln.lora.triton_ops import lora_apply_triton
+    from kiln.ops.triton_lora import lora_apply_triton
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key("kiln::lora_add_", "CUDA")
     args = cuda(make_case(9, 3, 15, 64, 100, torch.bfloat16, [0, -1, 2, 1], seed=1))

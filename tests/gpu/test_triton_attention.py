@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from attention_batches import dense_reference, make_batch, random_shapes, run_backend
-from kiln.attention import AttentionLayerSpec
-from kiln.attention.backends import TorchPagedBackend, TritonPagedBackend
+from kiln.attention.backend import AttentionLayerSpec
+from kiln.attention.backends.torch_paged import TorchPagedBackend
+from kiln.attention.backends.triton_paged import TritonPagedBackend
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -93,7 +94,7 @@ def test_cuda_graph_replay_serves_a_different_batch_of_the_same_shape():
 def test_chosen_automatically_and_greedy_tokens_match_torch_backend(tiny_models):
     from conftest import random_prompts
     from kiln import LLM, SamplingParams
-    from kiln.attention import select_backend
+    from kiln.attention.selector import select_backend
 
     assert select_backend(None, 64, torch.bfloat16, torch.device("cuda")) is TritonPagedBackend
     path = str(tiny_models["llama"][0])

@@ -1,4 +1,8 @@
-from kiln.attention.backends.torch_paged import TorchPagedBackend
-from kiln.attention.backends.triton_paged import TritonPagedBackend
+"""Attention backends, independent of one another: torch (SDPA), cpu (kiln's kernels),
+triton.
+"""
+from kiln.exports import lazy_exports
 
-__all__ = ["TorchPagedBackend", "TritonPagedBackend"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "TorchPagedBackend": "torch_paged", "TritonPagedBackend": "triton_paged",
+})

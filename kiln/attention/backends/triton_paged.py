@@ -14,7 +14,7 @@ import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
 from kiln.attention.backend import AttentionLayerSpec
-from kiln.attention.kernels.triton_runtime import interpreter_reason, triton_installed
+from kiln.ops.triton_runtime import interpreter_reason, triton_installed
 
 if TYPE_CHECKING:
     from kiln.attention.kernels.attention_kernel import UnifiedAttentionConfig

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.attention.kernels.triton_runtime import interpreter_requested
+from kiln.ops.triton_runtime import interpreter_requested
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from kiln.entrypoints.openai.serving_chat import create_chat_completion
 from kiln.entrypoints.openai.serving_completion import create_completion
 from kiln.entrypoints.openai.serving_lora import (load_lora_adapter, require_runtime_updates,
                                                   unload_lora_adapter)
-from kiln.sampling import SamplingParams
+from kiln.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)

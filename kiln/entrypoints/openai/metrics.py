@@ -23,9 +23,9 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kiln.kv_transfer import KVTransferStats
-from kiln.scheduler import SchedulerStats
-from kiln.spec_decode import SpecDecodingStats
+from kiln.kv_transfer.stats import KVTransferStats
+from kiln.scheduler.step import SchedulerStats
+from kiln.spec_decode.metrics import SpecDecodingStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from kiln.entrypoints.openai.errors import APIError
-from kiln.lora import LoRARequest
+from kiln.lora.request import LoRARequest
 
 
 def parse_lora_module(value: str) -> tuple[str, str]:

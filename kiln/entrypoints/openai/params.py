@@ -13,8 +13,8 @@ from typing import Any
 
 from kiln.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from kiln.sampling import SamplingParams
-from kiln.structured_output import StructuredOutputsParams
+from kiln.sampling.params import SamplingParams
+from kiln.structured_output.params import StructuredOutputsParams
 
 # Values that leave sampling unchanged: sending them needs no support from the engine.
 _NEUTRAL: dict[str, Any] = {"n": 1, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,

@@ -3,22 +3,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable
 
-from kiln.config import parse_bytes
+from kiln import envs
+from kiln.config.utils import parse_bytes
 
 logger = logging.getLogger(__name__)
 DEAD_GRACE_S = 2.0  # how long /health says 503 before a server whose engine died exits
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what model=None (the embedded one) is
-# vLLM's switch for the runtime LoRA endpoints (kiln's own name works too).
-RUNTIME_LORA_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "KILN_ALLOW_RUNTIME_LORA_UPDATING")
-
-
-def _env_true(names: tuple[str, ...]) -> bool:
-    return any(os.environ.get(n, "").strip().lower() in ("1", "true") for n in names)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +23,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; use 0.0.0.0 "
                         "to serve the network, ideally with --api-key)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
+    p.add_argument("--api-key", default=envs.KILN_API_KEY,
                    help="require 'Authorization: Bearer KEY' on /v1/* "
                         "(default: $KILN_API_KEY, else no key)")
     p.add_argument("--served-model-name", default=None,
@@ -42,7 +36,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "'{\"name\": \"x\", \"path\": \"/p\"}'; a request's `model` "
                         "field picks one by NAME")
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   default=_env_true(RUNTIME_LORA_ENV),
+                   default=envs.KILN_ALLOW_RUNTIME_LORA_UPDATING,
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         "(turns LoRA on); default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING=True. "
                         "Any client with the API key can then make the server read a "
@@ -92,9 +86,9 @@ def _lora_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any]) -> int:
     if args.pd_proxy is not None:
-        from kiln.kv_transfer.proxy import run_proxy
+        from kiln.entrypoints.openai.pd_proxy import run_proxy
 
-        logging.getLogger("kiln.kv_transfer.proxy").setLevel(logging.INFO)
+        logging.getLogger("kiln.entrypoints.openai.pd_proxy").setLevel(logging.INFO)
         return run_proxy(*args.pd_proxy, args.host, args.port, args.pd_prefill_timeout,
                          args.verbose)
     if args.model_tag is not None:

@@ -22,8 +22,8 @@ from kiln.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStr
 from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.entrypoints.openai.errors import APIError, from_value_error
 from kiln.entrypoints.openai.params import sampling_fields
-from kiln.lora import LoRAError, LoRARequest
-from kiln.sampling import SamplingParams
+from kiln.lora.request import LoRAError, LoRARequest
+from kiln.sampling.params import SamplingParams
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.2  # how fast a vanished non-streaming client is noticed

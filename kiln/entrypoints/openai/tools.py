@@ -22,7 +22,7 @@ from typing import Any
 
 from kiln.entrypoints.openai.errors import bad_request
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest
-from kiln.structured_output import StructuredOutputsParams
+from kiln.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 //
 // Why it exists: decode-sized linears are memory-bound, so a weight that takes fewer
 // bytes is read faster; the weight is dequantized inside the kernel, in registers, and
-// never materialised per call. Formats (kiln/quantization/packing.py packs them once at
+// never materialised per call. Formats (kiln/ops/quant_packing.py packs them once at
 // load; N % 16 == 0, K % 32 == 0; nb = 16-column block, kc = 32-deep K chunk):
 //   kInt8     int8 codes, one fp32 scale per output column (weight-only int8):
 //               codes int8 [N/16, K/32, 32, 16]: codes[nb, kc, kk, c] = q[16nb + c, 32kc + kk]

@@ -1,5 +1,5 @@
 // kiln_cpu::lora_add_ — y[t] += scaling[s] * (x[t] A_s^T) B_s^T for every token t whose
-// slot s = indices[t] is >= 0; kiln/lora/ops.py has the slot layout and the contract.
+// slot s = indices[t] is >= 0; kiln/ops/lora.py has the slot layout and the contract.
 //
 // Why C++: the op runs after every decoder linear, every step. As ATen calls (aminmax,
 // two small bf16 GEMMs, a one-hot mask) it cost 200-600 us per call at 32 decode rows on

@@ -1,0 +1,74 @@
+"""Every environment variable kiln reads, in one place, read when asked (not at import):
+tests and launchers change them between engines.
+
+    from kiln import envs
+    envs.KILN_HOME            # a Path
+    envs.kiln_home()          # the same, as a function
+
+| variable | meaning | default |
+|---|---|---|
+| KILN_HOME | root of kiln's files: converted models, tuning table, compile cache | ~/.cache/kiln |
+| KILN_CACHE_DIR | the compile cache (also where the CPU kernels' build is kept) | $KILN_HOME/compile_cache |
+| KILN_TUNING_FILE | the kernel tuning table `kiln bench kernels` writes | $KILN_HOME/tuning.json |
+| KILN_CPU_ISA | caps the CPU's ISA class (amx, avx512_bf16, avx512, avx2, none): one host runs another class's kernels | the host's |
+| KILN_CPU_KERNELS | 0 turns kiln's C++ CPU kernels off (F.linear and SDPA run) | 1 |
+| KILN_DIST_TIMEOUT_S | bound on one collective or control message while serving | 600 |
+| KILN_DIST_STARTUP_TIMEOUT_S | the same bound while ranks start (connect, load, compile) | max(600, step bound) |
+| KILN_API_KEY | `kiln serve --api-key`'s default | none |
+| KILN_ALLOW_RUNTIME_LORA_UPDATING | `kiln serve --allow-runtime-lora-updating`'s default (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING works too) | off |
+| KILN_PROBE_T0 | set by `kiln bench compile` for the start-up probe it spawns: the spawn time | unset |
+
+Other programs' variables kiln passes on or reads as theirs (TRITON_INTERPRET, torchrun's
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR, CXX) are read where they are used.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_DIST_TIMEOUT_S = 600.0
+
+
+def _path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value).expanduser() if value else None
+
+
+def kiln_home() -> Path:
+    """Root of kiln's files: `$KILN_HOME`, else `~/.cache/kiln`."""
+    return _path("KILN_HOME") or Path.home() / ".cache" / "kiln"
+
+
+def _true(*names: str) -> bool:
+    return any(os.environ.get(n, "").strip().lower() in ("1", "true") for n in names)
+
+
+def _dist_timeout() -> float:
+    return float(os.environ.get("KILN_DIST_TIMEOUT_S", DEFAULT_DIST_TIMEOUT_S))
+
+
+_VARIABLES: dict[str, Callable[[], Any]] = {
+    "KILN_HOME": kiln_home,
+    "KILN_CACHE_DIR": lambda: _path("KILN_CACHE_DIR"),
+    "KILN_TUNING_FILE": lambda: _path("KILN_TUNING_FILE"),
+    "KILN_CPU_ISA": lambda: os.environ.get("KILN_CPU_ISA", "").strip().lower(),
+    "KILN_CPU_KERNELS": lambda: os.environ.get("KILN_CPU_KERNELS", "1") != "0",
+    "KILN_DIST_TIMEOUT_S": _dist_timeout,
+    "KILN_DIST_STARTUP_TIMEOUT_S": lambda: float(os.environ.get(
+        "KILN_DIST_STARTUP_TIMEOUT_S", max(DEFAULT_DIST_TIMEOUT_S, _dist_timeout()))),
+    "KILN_API_KEY": lambda: os.environ.get("KILN_API_KEY"),
+    "KILN_ALLOW_RUNTIME_LORA_UPDATING": lambda: _true("VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+                                                      "KILN_ALLOW_RUNTIME_LORA_UPDATING"),
+    "KILN_PROBE_T0": lambda: float(os.environ.get("KILN_PROBE_T0", "nan")),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*_VARIABLES, "kiln_home"])

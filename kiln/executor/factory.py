@@ -1,0 +1,20 @@
+"""The executor backend's name (kiln.config.parallel.EXECUTOR_BACKENDS) to its class:
+vLLM's `Executor.get_class`, kept beside the executors so the config names them as data."""
+from __future__ import annotations
+
+from kiln.executor.abstract import Executor
+from kiln.executor.multiproc import MultiprocExecutor
+from kiln.executor.uniproc import ExternalLauncherExecutor, InProcessExecutor
+from kiln.executor.worker import RunnerSpec
+
+
+def make_executor(backend: str | None, tp: int, spec: RunnerSpec) -> Executor:
+    backend = backend or ("mp" if tp > 1 else "uni")
+    if backend == "uni":
+        if tp != 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank but "
+                             f"tensor_parallel_size={tp}: use 'mp' or 'external_launcher'")
+        return InProcessExecutor(spec)
+    if backend == "external_launcher":
+        return ExternalLauncherExecutor(spec, tp)
+    return MultiprocExecutor(spec, tp)

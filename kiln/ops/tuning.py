@@ -1,0 +1,93 @@
+"""The kernel tuning table: read at engine start-up (the writer is `kiln bench kernels`,
+kiln.bench.tuning.merge_into).
+
+One JSON file holds the winners for several devices:
+
+    {"version": 1,
+     "devices": {"<device name>": {"<op>": {"<shape key>": {
+         "best": "<candidate>", "config": {...} | null, "us": {"<candidate>": median_us}}}}}}
+
+A shape key is `k=v` pairs joined by commas in a fixed order (see `shape_key`). The file is
+`$KILN_TUNING_FILE`, else `$KILN_HOME/tuning.json`. The runtime only reads it; a missing,
+unreadable or malformed file means "no tuning" (a warning, never a failed start-up).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from kiln import envs
+from kiln.platforms import device_name
+
+logger = logging.getLogger(__name__)
+
+VERSION = 1
+
+
+def default_tuning_path() -> Path:
+    return envs.KILN_TUNING_FILE or envs.kiln_home() / "tuning.json"
+
+
+def shape_key(**dims: Any) -> str:
+    """'phase=decode,batch=8,...' in the caller's order; dtypes written without 'torch.'."""
+    return ",".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in dims.items())
+
+
+def parse_key(key: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in key.split(",") if "=" in part)
+
+
+def load_tuning(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The whole table ({} when there is none or it cannot be used)."""
+    p = Path(path) if path is not None else default_tuning_path()
+    if not p.is_file():
+        return {}
+    try:
+        table = json.loads(p.read_text())
+        if table.get("version") != VERSION or not isinstance(table.get("devices"), dict):
+            raise ValueError(f"expected version {VERSION} with a 'devices' object")
+        return table
+    except (OSError, ValueError, AttributeError) as exc:
+        logger.warning("ignoring the tuning table %s (%s); rerun `kiln bench kernels`", p, exc)
+        return {}
+
+
+def device_entries(op: str, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """This device's tuning entries for `op` ({shape key: entry}; {} without any)."""
+    ops = load_tuning().get("devices", {}).get(device_name(device), {})
+    entries = ops.get(op, {})
+    return entries if isinstance(entries, dict) else {}
+
+
+def times_by_shape(entries: Mapping[str, Any], dtype: torch.dtype,
+                   shape_of: Callable[[dict[str, str]], tuple], count: str
+                   ) -> dict[tuple, dict[int, dict[str, float]]]:
+    """{shape_of(dims): {int(dims[count]): {candidate: median us}}} over one op's entries
+    for `dtype`, for the plans the engine derives at start-up. Keys missing a dimension
+    are skipped; candidate labels lose their "[config]" suffix."""
+    name = str(dtype).removeprefix("torch.")
+    times: dict[tuple, dict[int, dict[str, float]]] = {}
+    for key, entry in entries.items():
+        dims = parse_key(key)
+        if dims.get("dtype") != name or not isinstance(entry, dict):
+            continue
+        try:
+            shape, n = shape_of(dims), int(dims[count])
+        except (KeyError, ValueError):
+            continue
+        times.setdefault(shape, {})[n] = {
+            label.split("[", 1)[0]: us for label, us in entry.get("us", {}).items()}
+    return times
+
+
+def lookup(op: str, shape: str, device: str | torch.device = "cpu",
+           path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """The entry for one op and shape key on this device: {"best", "config", "us"}."""
+    ops = load_tuning(path).get("devices", {}).get(device_name(device), {})
+    entry = ops.get(op, {}).get(shape)
+    return entry if isinstance(entry, dict) else None
