@@ -12,7 +12,7 @@ Runs the default model (CLI defaults unless flags say otherwise), warms up, then
   other      everything else: engine Python (scheduler, input preparation, detokenizer)
 
 "other" is the step's wall time minus the categorised time, so it includes the profiler's
-own overhead (a few percent). Used for the before/after table in the README.
+own overhead (a few percent). Used for the before/after tables in docs/.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from attention_batches import make_batch, random_shapes, run_backend
+from kiln.platforms.cpu import host_isa, isa_class
 from kiln.attention.backend import AttentionLayerSpec
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
@@ -134,12 +135,12 @@ def test_native_attention_is_a_noop_without_a_batch():
 
 
 def test_isa_class_caps_by_environment(monkeypatch):
-    host = cpu_kernels.host_isa()
+    host = host_isa()
     monkeypatch.setenv("KILN_CPU_ISA", "none")
-    assert cpu_kernels.isa_class() == "none"
+    assert isa_class() == "none"
     assert "no AVX2" in cpu_kernels.host_supports()
     monkeypatch.setenv("KILN_CPU_ISA", "amx")  # a cap never raises the host's class
-    assert cpu_kernels.isa_class() == host
+    assert isa_class() == host
     monkeypatch.setenv("KILN_CPU_ISA", "avx9000")
     with pytest.raises(ValueError, match="KILN_CPU_ISA"):
-        cpu_kernels.isa_class()
+        isa_class()

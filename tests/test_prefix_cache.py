@@ -18,7 +18,7 @@ def test_block_hashes_are_chained_salted_and_stable_across_processes():
     assert hash_block(None, [1, 2, 3, 4]) == a and len(a) == 16
     assert hash_block(a, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])  # names its prefix
     assert hash_block(None, [1, 2, 3, 4], b"tenant-a") != a
-    code = "from kiln.scheduler import hash_block; print(hash_block(None, [1, 2, 3, 4]).hex())"
+    code = "from kiln.kv_cache.block_hash import hash_block; print(hash_block(None, [1, 2, 3, 4]).hex())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True).stdout.strip()
     assert other == a.hex()

@@ -7,11 +7,9 @@ queue (add, abort, LoRA add/remove, stop); the engine thread talks back only thr
 `loop.call_soon_threadsafe`. The torch work inside `step()` releases the GIL, so the event
 loop keeps serving HTTP while the model runs.
 
-LoRA contract: adapters are registered and unloaded on the engine thread, between steps.
-Unloading an adapter that in-flight requests still use only marks it: new requests that
-name it are rejected at once, and the workers drop it when its last request finishes (a
-running request never loses its adapter, and its directory may be deleted right after
-the unload returns).
+LoRA contract: adapters are registered and unloaded on the engine thread, between steps;
+an adapter that in-flight requests still use is unloaded after the last of them
+(kiln.engine.lora_unloads).
 
 Output contract: a stream yields DELTA outputs: each `RequestOutput` carries only the
 completions that changed this step, and their `text`, `token_ids` and `logprobs` hold
@@ -26,13 +24,13 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import RequestOutput
-from kiln.lora.request import LoRAError, LoRARequest
+from kiln.engine.lora_unloads import LoRAUnloads
+from kiln.lora.request import LoRARequest
 from kiln.sampling.params import RequestOutputKind, SamplingParams
 from kiln.scheduler.step import SchedulerStats
 
@@ -142,11 +140,7 @@ class AsyncLLMEngine:
         self.on_dead = on_dead  # called from the engine thread when a step fails
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._progress: dict[str, _Progress] = {}  # engine thread only
-        # Engine thread only: in-flight requests per adapter id; unloaded ids (requests
-        # naming them are rejected until add_lora again); unloads waiting for requests.
-        self._lora_users: Counter[int] = Counter()
-        self._unloaded: set[int] = set()
-        self._pending_unload: set[int] = set()
+        self._unloads = LoRAUnloads(engine)  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead_error: BaseException | None = None
@@ -268,9 +262,7 @@ class AsyncLLMEngine:
     def _add(self, cmd: _Add) -> None:
         lora = cmd.lora_request
         try:
-            if lora is not None and lora.lora_int_id in self._unloaded:
-                raise LoRAError(f"LoRA adapter {lora.lora_name!r} was unloaded; load it "
-                                 "again to use it")
+            self._unloads.check_usable(lora)
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                     priority=cmd.priority, lora_request=lora,
                                     kv_transfer_params=cmd.kv_transfer_params)
@@ -278,8 +270,7 @@ class AsyncLLMEngine:
             self._call(_resolve, cmd.accepted, exc)
             return
         lora_id = None if lora is None else lora.lora_int_id
-        if lora_id is not None:
-            self._lora_users[lora_id] += 1
+        self._unloads.acquire(lora_id)
         self._progress[cmd.request_id] = _Progress(cmd.stream, cmd.arrival, lora_id)
         self._call(_resolve, cmd.accepted, None)
 
@@ -289,32 +280,11 @@ class AsyncLLMEngine:
         except ValueError as exc:
             self._call(_resolve, cmd.done, exc)
             return
-        lora_id = cmd.lora_request.lora_int_id
-        self._unloaded.discard(lora_id)
-        self._pending_unload.discard(lora_id)  # wanted again: keep it loaded
+        self._unloads.registered(cmd.lora_request.lora_int_id)
         self._call(_resolve, cmd.done, None)
 
     def _remove_lora(self, cmd: _RemoveLoRA) -> None:
-        lora_id = cmd.lora_int_id
-        known = self.engine.loras is not None and lora_id in self.engine.loras.known
-        self._unloaded.add(lora_id)
-        if self._lora_users[lora_id]:
-            self._pending_unload.add(lora_id)  # its last request unloads it
-        else:
-            self.engine.remove_lora(lora_id)
-        self._call(_resolve, cmd.done, None, known)
-
-    def _release(self, progress: _Progress) -> None:
-        """A request left the engine: unload its adapter if an unload waits for it."""
-        lora_id = progress.lora_int_id
-        if lora_id is None:
-            return
-        self._lora_users[lora_id] -= 1
-        if self._lora_users[lora_id] <= 0:
-            del self._lora_users[lora_id]
-            if lora_id in self._pending_unload:
-                self._pending_unload.discard(lora_id)
-                self.engine.remove_lora(lora_id)
+        self._call(_resolve, cmd.done, None, self._unloads.unload(cmd.lora_int_id))
 
     def _lora_counts(self) -> dict[str, int]:
         loras = self.engine.loras
@@ -325,7 +295,7 @@ class AsyncLLMEngine:
         if progress is None:
             return  # already finished (or never accepted)
         self.engine.abort_request(request_id)
-        self._release(progress)
+        self._unloads.release(progress.lora_int_id)
         if self.observer is not None:
             self.observer.record_finished("abort", time.monotonic() - progress.arrival)
 
@@ -338,7 +308,7 @@ class AsyncLLMEngine:
             self._observe(progress, out, num_new, now)
             if out.finished:
                 del self._progress[out.request_id]
-                self._release(progress)
+                self._unloads.release(progress.lora_int_id)
             if out.outputs or out.finished:
                 self._call(progress.stream._put, out)
 

@@ -21,7 +21,6 @@ import torch
 from kiln.attention.backend import AttentionMetadata
 from kiln.attention.selector import select_backend
 from kiln.compiler.build import compile_model
-from kiln.compiler.cache import default_cache_root
 from kiln.config.compilation import CompilationConfig, CompilationMode
 from kiln.attention.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.kv_transfer.base import KVConnectorRole
@@ -31,11 +30,7 @@ from kiln.config.compilation import CUDAGraphMode
 from kiln.config.lora import LoRAConfig
 from kiln.lora.manager import LoRAManager
 from kiln.models.model_config import ModelConfig
-from kiln.models.loader import build_model
-from kiln.ops import cpu_kernels
-from kiln.runner.huge_pages import move_weights_to_huge_pages
 from kiln.config.quantization import QuantizationConfig
-from kiln.quantization.apply import apply_quantization
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import (capture_all, graph_factory, resolve_dispatcher, wrap_full,
                                     wrap_pieces)
@@ -48,12 +43,20 @@ from kiln.config.speculative import SpeculativeConfig
 from kiln.runner.step_timer import DecodeStepTimer
 from kiln.runner.drafter import DraftModelDrafter, Drafter, NgramDrafter
 from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow
-from kiln.models.packing import pack_cpu_weights, plan_signature
+from kiln.models.packing import plan_signature
+from kiln.runner.load import load_weights
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    """One rank's model, KV cache and persistent buffers; `execute` runs a step.
+
+    Start-up is a fixed sequence (each step below needs the ones before it): load the
+    weights, choose attention and lay out the KV cache, allocate the persistent buffers,
+    install the LoRA slots, resolve the graph dispatcher, compile (or load) every size,
+    capture the graphs, then the drafter and the KV connector."""
+
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  limits: RunnerLimits, *, kv_cache_memory: int | None = None,
                  num_kv_blocks: int | None = None, attention_backend: str | None = None,
@@ -64,61 +67,16 @@ class ModelRunner:
                  draft_model_config: ModelConfig | None = None,
                  kv_transfer: tuple[KVTransferConfig, dict] | None = None) -> None:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
-        if device.type == "cpu":
-            # Before tracing: whether the graph calls kiln's kernels is decided at trace time.
-            cpu_kernels.ensure_loaded(default_cache_root(), progress)
-        self.model = build_model(model_config, dtype, device, progress)
         self.quantization = quantization or QuantizationConfig()
-        logger.info("quantization %s", apply_quantization(self.model, self.quantization,
-                                                            dtype))
-        if model_config.moe is not None and self.quantization.method:
-            logger.warning("quantization %s covers the attention and dense linears; the "
-                           "experts' weights stay %s", self.quantization.method, dtype)
-        if dtype == torch.bfloat16 and device.type == "cpu":
-            pack_cpu_weights(self.model, model_config, dtype, device)
-        if device.type == "cpu":  # after packing: the packed copies are what steps read
-            move_weights_to_huge_pages(self.model)
-        layers = self.model.attention_layers()
-        backend_cls = select_backend(attention_backend, model_config.head_dim, dtype, device,
-                                     [layer.spec for layer in layers])
-        self.attn_backend_cls = backend_cls
-        self.attn_backends = [backend_cls(layer.spec) for layer in layers]
-        for layer in layers:  # before tracing: the layer's call is fixed in the graph
-            layer.native_op = backend_cls.native_layer_op
-        # KV-cache groups over this rank's KV heads, one pool, each layer's slot view.
-        kv = build_kv_cache([layer.spec for layer in layers], limits.block_size, dtype,
-                            device, kv_cache_memory, num_kv_blocks)
-        self.kv_groups, self.kv_spec, self.layer_groups = kv.groups, kv.spec, kv.layer_groups
-        self.num_kv_blocks, self._kv_buffer, self.kv_caches = kv.num_blocks, kv.buffer, kv.caches
-        logger.info("attention backend %s; %s", backend_cls.name, kv.describe())
+        self.model = load_weights(model_config, self.quantization, dtype, device, progress)
+        self._init_attention(attention_backend, kv_cache_memory, num_kv_blocks)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._alloc_buffers()
-        # Before tracing: the slots are graph inputs, written in place from then on.
-        self.lora = None if lora is None else LoRAManager(
-            self.model, lora, self.lora_indices.device, dtype)
-        # Copied to the device every step (the LoRA indices only when a graph reads them).
-        self._step_buffers = (self.input_ids, self.positions, *self.slot_mappings,
-                              self.is_padding) + ((self.lora_indices,) if self.lora else ())
-        # Resolved before compiling: a compile size that padding would skip fails fast.
+        self._init_lora(lora)
         # With speculation, uniform decode also comes as 1 + k tokens per request.
         self._spec_k = speculative.num_speculative_tokens if speculative else 0
-        self.dispatcher = resolve_dispatcher(compilation, backend_cls, limits.max_num_seqs,
-                                             1 + self._spec_k)
-        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
-        self.compile_backend = None
-        if compilation is not None and compilation.mode == CompilationMode.PIECEWISE:
-            self.forward, self.compile_backend = compile_model(
-                self.model, compilation, dtype, device, limits.max_num_batched_tokens,
-                progress, attention_backend=backend_cls.name,
-                quantization=self.quantization.cache_key(),
-                lora=lora.cache_key() if lora else None,
-                weight_plan=plan_signature(self.model))
-            self._compile_now()
-        self.graph_capture_s = 0.0
-        if self.dispatcher.mode:
-            self._install_graphs(compilation.graph_backend)
-            self.capture_model(progress)
+        self._init_forward(compilation, lora, progress)
         self.drafter = None if speculative is None else make_drafter(
             speculative, self, draft_model_config, compilation, attention_backend, progress)
         self._step_timer = None if self.drafter is None else DecodeStepTimer(
@@ -127,6 +85,55 @@ class ModelRunner:
         self.kv_connector = None if kv_transfer is None else connector_for(
             kv_transfer[0], KVConnectorRole.WORKER, kv_transfer[1], self.kv_spec,
             len(self.kv_caches), self.quantization)
+
+    def _init_attention(self, name: str | None, kv_cache_memory: int | None,
+                        num_kv_blocks: int | None) -> None:
+        """The attention backend (before tracing: a layer's call is fixed in the graph)
+        and the KV cache: groups over this rank's KV heads, one pool, each layer's view."""
+        layers = self.model.attention_layers()
+        backend_cls = select_backend(name, self.config.head_dim, self.dtype, self.device,
+                                     [layer.spec for layer in layers])
+        self.attn_backend_cls = backend_cls
+        self.attn_backends = [backend_cls(layer.spec) for layer in layers]
+        for layer in layers:
+            layer.native_op = backend_cls.native_layer_op
+        kv = build_kv_cache([layer.spec for layer in layers], self.limits.block_size,
+                            self.dtype, self.device, kv_cache_memory, num_kv_blocks)
+        self.kv_groups, self.kv_spec, self.layer_groups = kv.groups, kv.spec, kv.layer_groups
+        self.num_kv_blocks, self._kv_buffer, self.kv_caches = kv.num_blocks, kv.buffer, kv.caches
+        logger.info("attention backend %s; %s", backend_cls.name, kv.describe())
+
+    def _init_lora(self, lora: LoRAConfig | None) -> None:
+        """The LoRA slots (before tracing: they are graph inputs, written in place from
+        then on), and the buffers copied to the device every step (the LoRA indices only
+        when a graph reads them)."""
+        self.lora = None if lora is None else LoRAManager(
+            self.model, lora, self.lora_indices.device, self.dtype)
+        self._step_buffers = (self.input_ids, self.positions, *self.slot_mappings,
+                              self.is_padding) + ((self.lora_indices,) if self.lora else ())
+
+    def _init_forward(self, compilation: CompilationConfig | None, lora: LoRAConfig | None,
+                      progress: bool) -> None:
+        """The dispatcher (resolved before compiling: a compile size that padding would
+        skip fails fast), the compiled forward with every size built or loaded, and the
+        captured graphs. Without compilation the forward is the eager model."""
+        self.dispatcher = resolve_dispatcher(compilation, self.attn_backend_cls,
+                                             self.limits.max_num_seqs, 1 + self._spec_k)
+        self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
+        self.compile_backend = None
+        if compilation is not None and compilation.mode == CompilationMode.PIECEWISE:
+            self.forward, self.compile_backend = compile_model(
+                self.model, compilation, self.dtype, self.device,
+                self.limits.max_num_batched_tokens, progress,
+                attention_backend=self.attn_backend_cls.name,
+                quantization=self.quantization.cache_key(),
+                lora=lora.cache_key() if lora else None,
+                weight_plan=plan_signature(self.model))
+            self._compile_now()
+        self.graph_capture_s = 0.0
+        if self.dispatcher.mode:
+            self._install_graphs(compilation.graph_backend)
+            self.capture_model(progress)
 
     def context(self, metadata: list[AttentionMetadata] | None,
                  desc: BatchDescriptor | None = None, padding: torch.Tensor | None = None,
