@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config.engine import EngineConfig
-from kiln.entrypoints.llm import LLM
 from kiln.lora.request import LoRARequest
 from kiln.sampling.params import SamplingParams
-from kiln.structured_output.backend import grammar_for
 from kiln.structured_output.params import StructuredOutputsParams
 
 
@@ -124,6 +122,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_llm(args: argparse.Namespace) -> Any:
+    # Imported here: the engine (and xgrammar below) cost seconds to import, and commands
+    # such as `kiln cache ls` or `--help` build no engine.
+    from kiln.entrypoints.llm import LLM
+
     return LLM(args.model, dtype=args.dtype, optimization_level=args.optimization_level,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
@@ -181,6 +183,8 @@ def sampling_params(args: argparse.Namespace) -> Any:
 
 def structured_params(args: argparse.Namespace) -> Any:
     """--json-schema / --json-object / --regex / --choice / --grammar, checked now."""
+    from kiln.structured_output.backend import grammar_for
+
     fields = {"json": _read_file(args.json_schema, "--json-schema"),
               "json_object": args.json_object or None, "regex": args.regex,
               "choice": args.choice, "grammar": _read_file(args.grammar, "--grammar")}
