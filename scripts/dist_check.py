@@ -43,10 +43,9 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from kiln.distributed.parallel_state import (get_tp_group, init_distributed,
-                                                 initialize_model_parallel)
     from kiln.distributed.collectives import tp_all_gather, tp_all_reduce
-    from kiln.distributed.parallel_state import device_backend
+    from kiln.distributed.parallel_state import (device_backend, get_tp_group,
+                                                 init_distributed, initialize_model_parallel)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device(args.device)

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionLayerSpec, AttentionMetadata
-from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
+from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.forward_context import (ForwardContext, get_forward_context,
                                             set_forward_context)
 

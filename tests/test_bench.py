@@ -120,11 +120,11 @@ def test_kernels_pick_fastest_and_write_tuning_table(tiny, tmp_path, monkeypatch
 
 
 def test_tuning_table_steers_backend_selection(tmp_path, monkeypatch, caplog):
-    from kiln.attention.selector import BACKENDS, select_backend
     from kiln.attention.backends.torch_paged import TorchPagedBackend
-    from kiln.platforms import device_name
+    from kiln.attention.selector import BACKENDS, select_backend
     from kiln.bench.tuning import merge_into
     from kiln.ops.tuning import shape_key
+    from kiln.platforms import device_name
 
     class Tuned(TorchPagedBackend):
         name = "tuned"

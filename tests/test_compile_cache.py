@@ -14,11 +14,11 @@ import torch
 import transformers
 from conftest import TINY
 
-from kiln.compiler.cache import verify_artifact
 from kiln.compiler.build import compile_model
+from kiln.compiler.cache import verify_artifact
 from kiln.config.compilation import CompilationConfig
-from kiln.models.model_config import ModelConfig
 from kiln.models.loader import build_model
+from kiln.models.model_config import ModelConfig
 
 WORKER = Path(__file__).with_name("compile_worker.py")
 

@@ -12,10 +12,9 @@ import torch
 from conftest import hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
 from kiln.attention.backend import AttentionMetadata
-from kiln.compiler.piecewise import Range
-from kiln.compiler.counter import compilation_counter
-from kiln.compiler.piecewise import PiecewiseBackend
 from kiln.attention.forward_context import ForwardContext, set_forward_context
+from kiln.compiler.counter import compilation_counter
+from kiln.compiler.piecewise import PiecewiseBackend, Range
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

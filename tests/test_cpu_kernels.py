@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from attention_batches import make_batch, random_shapes, run_backend
-from kiln.platforms.cpu import host_isa, isa_class
 from kiln.attention.backend import AttentionLayerSpec
-from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
+from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.selector import select_backend
+from kiln.models.packing import pack_linears
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear, pack
-from kiln.models.packing import pack_linears
+from kiln.platforms.cpu import host_isa, isa_class
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_loaded")
 
@@ -72,8 +72,8 @@ def test_linear_packed_handles_leading_dims_and_empty_batches():
 
 
 def test_pack_linears_frees_untied_weights_and_keeps_outputs(tiny_models):
-    from kiln.models.model_config import ModelConfig
     from kiln.models.loader import build_model
+    from kiln.models.model_config import ModelConfig
 
     path, _ = tiny_models["llama-tied"]
     mc = ModelConfig.from_pretrained(path)

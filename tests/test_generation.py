@@ -8,8 +8,8 @@ import torch
 from conftest import random_prompts
 from kiln import LLM, SamplingParams
 from kiln.config.engine import EngineConfig
-from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.output_text import OutputText
 from kiln.sampling.params import RequestOutputKind
 

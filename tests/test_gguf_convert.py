@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from kiln.envs import kiln_home
 from kiln.models import model_source
 from kiln.models.gguf_convert import convert_gguf
-from kiln.models.model_source import default_gguf_path, DEFAULT_MODEL, resolve_model
-from kiln.envs import kiln_home
+from kiln.models.model_source import DEFAULT_MODEL, default_gguf_path, resolve_model
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

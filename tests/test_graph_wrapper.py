@@ -9,13 +9,13 @@ import torch
 
 from conftest import hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
-from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backend import AttentionCGSupport
+from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.forward_context import (BatchDescriptor as BD, ForwardContext,
                                             get_forward_context, set_forward_context)
-from kiln.graphs.graph import CpuTestGraph
 from kiln.config.compilation import CUDAGraphMode as M
-from kiln.graphs.wrapper import capture_phase, CUDAGraphWrapper
+from kiln.graphs.graph import CpuTestGraph
+from kiln.graphs.wrapper import CUDAGraphWrapper, capture_phase
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

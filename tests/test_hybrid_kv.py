@@ -11,22 +11,22 @@ import transformers
 from attention_batches import (dense_reference, make_batch, poison_out_of_window,
                                random_shapes, run_backend, windowed)
 from conftest import TINY, assert_exact_under_pressure, hf_greedy, random_prompts
-from kiln.platforms.cpu import CpuPlatform
 from kiln import LLM, SamplingParams
-from kiln.attention.backend import AttentionLayerSpec
 from kiln.attention import selector
+from kiln.attention.backend import AttentionLayerSpec
+from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.triton_paged import TritonPagedBackend
-from kiln.attention.backends.cpu_paged import CpuPagedBackend
-from kiln.ops.triton_runtime import interpreter_reason
 from kiln.bench.hybrid_kv import measure_kv_blocks
+from kiln.kv_cache.block_hash import BlockHasher
+from kiln.kv_cache.kv_cache_manager import KVCacheManager
+from kiln.kv_cache.kv_cache_spec import (FullAttentionSpec, KVCacheGroupSpec, KVCacheSpec,
+                                         SlidingWindowSpec, group_layers)
+from kiln.kv_cache.single_type_manager import SlidingWindowManager, group_hash, manager_class
+from kiln.ops.triton_runtime import interpreter_reason
+from kiln.platforms.cpu import CpuPlatform
 from kiln.request import Request
 from kiln.sampling.params import SamplingParams as Params
-from kiln.kv_cache.block_hash import BlockHasher
-from kiln.kv_cache.kv_cache_spec import (FullAttentionSpec, group_layers, KVCacheGroupSpec,
-                                         KVCacheSpec, SlidingWindowSpec)
-from kiln.kv_cache.kv_cache_manager import KVCacheManager
-from kiln.kv_cache.single_type_manager import group_hash, manager_class, SlidingWindowManager
 
 F32 = torch.float32
 

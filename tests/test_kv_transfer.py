@@ -17,9 +17,9 @@ from conftest import hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
 from kiln.compiler.counter import compilation_counter
 from kiln.entrypoints.openai.metrics import ServerMetrics
-from kiln.kv_transfer.layout import make_layout
-from kiln.kv_transfer.disk import SUFFIX, DiskBlockStore
 from kiln.kv_cache.block_hash import hash_block
+from kiln.kv_transfer.disk import SUFFIX, DiskBlockStore
+from kiln.kv_transfer.layout import make_layout
 from server_utils import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.linear import linear, pack
 from kiln.models.packing import pack_linears, plan_signature
+from kiln.ops.linear import linear, pack
 from kiln.ops.linear_plan import DEFAULT, LinearPlan, plan_from_times, plans_from_table
 
 
@@ -63,8 +63,8 @@ def test_dense_from_switches_kernel_by_row_count():
 
 @pytest.mark.usefixtures("cpu_kernels_loaded")
 def test_pack_linears_applies_plans_and_keys_them(tiny_models):
-    from kiln.models.model_config import ModelConfig
     from kiln.models.loader import build_model
+    from kiln.models.model_config import ModelConfig
 
     path, _ = tiny_models["llama"]
     mc = ModelConfig.from_pretrained(path)

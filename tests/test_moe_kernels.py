@@ -8,10 +8,9 @@ import torch
 import transformers
 
 from conftest import TINY
-from kiln.moe.cpu_plan import (moe_key, pack_expert_weights, pack_experts,
-                               plans_from_table)
-from kiln.moe.op import fused_moe, grouped_experts, route
 from kiln.models.packing import plan_signature
+from kiln.moe.cpu_plan import moe_key, pack_expert_weights, pack_experts, plans_from_table
+from kiln.moe.op import fused_moe, grouped_experts, route
 from kiln.ops.linear_plan import LinearPlan
 
 BF16_TOL = 2e-2  # relative to the output's largest magnitude
@@ -86,8 +85,8 @@ def test_moe_plans_from_table_read_fused_moe_entries_per_shape_and_dtype():
 
 @pytest.mark.usefixtures("cpu_kernels_loaded")
 def test_pack_experts_applies_plans_and_keys_them(mixtral):
-    from kiln.models.model_config import ModelConfig
     from kiln.models.loader import build_model
+    from kiln.models.model_config import ModelConfig
 
     mc = ModelConfig.from_pretrained(mixtral)
     shape = (4, 2, mc.hidden_size, 96)
@@ -139,8 +138,8 @@ def test_engine_packs_bf16_experts_and_compiles_them_once(mixtral, tmp_path, mon
 def test_triton_expert_kernel_matches_the_grouped_loop(T, E, k):
     """The CUDA path's kernel, in Triton's interpreter: odd sizes, experts without
     tokens, one decode token; the alignment pads every expert's run."""
-    from kiln.ops.triton_runtime import interpreter_reason
     from kiln.moe.triton_moe import align_pairs, fused_experts_triton
+    from kiln.ops.triton_runtime import interpreter_reason
 
     if interpreter_reason() is not None:
         pytest.skip(interpreter_reason())

@@ -8,11 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.compiler.build import cache_factors
-from kiln.config.compilation import CompilationMode as C
-from kiln.config.engine import EngineConfig
 from kiln.cli.main import build_parser
-from kiln.config.compilation import CUDAGraphMode as M
+from kiln.compiler.build import cache_factors
+from kiln.config.compilation import CompilationMode as C, CUDAGraphMode as M
+from kiln.config.engine import EngineConfig
 from kiln.platforms.cuda import CudaPlatform
 
 LADDER_64 = [1, 2, 4, *range(8, 129, 8)]  # max_num_seqs=64: up to 2 * 64

@@ -19,12 +19,12 @@ from conftest import random_prompts
 from kiln.compiler.counter import compilation_counter
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear_quant
-from kiln.quantization.resolve import resolve_quantization
+from kiln.ops.quant_packing import (FP8, INT8, Q4, Q8, dequantize, int8_activations, pack_q4,
+                                    pack_q8, quantize_fp8, quantize_int8, quantize_int8_groups,
+                                    unpack_codes)
 from kiln.quantization.gguf_weights import decode
 from kiln.quantization.plan import DIRECT, PANEL, layer_panel_from, panel_from_times
-from kiln.ops.quant_packing import (dequantize, FP8, INT8, int8_activations, pack_q4, pack_q8,
-                                    Q4, Q8, quantize_fp8, quantize_int8, quantize_int8_groups,
-                                    unpack_codes)
+from kiln.quantization.resolve import resolve_quantization
 from test_gguf_convert import _tiny_model, write_tiny_gguf
 
 

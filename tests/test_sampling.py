@@ -9,9 +9,8 @@ import torch
 
 from conftest import random_prompts
 from kiln import LLM, SamplingParams
-from kiln.sampling.sampler import Sampler
 from kiln.sampling.metadata import SamplingMetadata
-from kiln.sampling.sampler import apply_penalties, apply_top_k_top_p
+from kiln.sampling.sampler import Sampler, apply_penalties, apply_top_k_top_p
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
 DRAWS = 6000

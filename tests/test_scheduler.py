@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 
 import torch
 
+from kiln.kv_cache.block_hash import BlockHasher
+from kiln.kv_cache.kv_cache_manager import KVCacheManager
+from kiln.kv_cache.kv_cache_spec import FullAttentionSpec
 from kiln.request import Request, RequestStatus
 from kiln.sampling.params import SamplingParams
-from kiln.kv_cache.block_hash import BlockHasher
-from kiln.kv_cache.kv_cache_spec import FullAttentionSpec
-from kiln.kv_cache.kv_cache_manager import KVCacheManager
 from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kiln.scheduler.scheduler import Scheduler
 from kiln.scheduler.step import SchedulerPolicy

@@ -13,10 +13,10 @@ import transformers
 from conftest import TINY, hf_greedy
 from kiln import LLM, SamplingParams
 from kiln.compiler.counter import compilation_counter
+from kiln.config.speculative import SpeculativeConfig, parse_speculative_config
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.sampling.sampler import SamplerOutput
 from kiln.spec_decode.ngram import NgramProposer
-from kiln.config.speculative import parse_speculative_config, SpeculativeConfig
 from kiln.spec_decode.rejection import DraftRows, verify
 
 # Drafts by the requests' tokens alone: these tests need drafts to be made (and some to
@@ -88,8 +88,8 @@ def test_token_rule_draft_length_shrinks_after_a_rejection_and_grows_back(draft_
     "deterministic") depends on its own tokens alone, never on measured step costs: cut
     at position a -> a + 1 tokens, taken whole -> twice as many, never past k. Rows cost
     here as much as whole steps, and it still drafts."""
-    from kiln.runner.state import CachedRequestState
     from kiln.runner.drafter import NgramDrafter
+    from kiln.runner.state import CachedRequestState
 
     drafter = NgramDrafter(SpeculativeConfig("ngram", 4, 1, 1, draft_length=draft_length))
     for tokens in range(1, 6):
@@ -167,8 +167,8 @@ def test_ngram_drafter_stops_drafting_where_rows_cost_whole_steps():
     """Greedy requests: once steps are measured to cost in proportion to their tokens
     and drafts keep failing, the drafter proposes none (every 64th step still drafts
     whole, to measure again)."""
-    from kiln.runner.state import CachedRequestState
     from kiln.runner.drafter import EXPLORE_EVERY, NgramDrafter
+    from kiln.runner.state import CachedRequestState
 
     drafter = NgramDrafter(SpeculativeConfig("ngram", 4, 2, 2))
     prompt = [5, 6, 1, 2, 3, 4, 5, 6]  # the suffix 5 6 matches: drafts 1 2 3 4

@@ -12,9 +12,9 @@ import torch
 import xgrammar as xgr
 
 from kiln import LLM, SamplingParams
-from kiln.structured_output.params import StructuredOutputsParams as SO
 from kiln.structured_output.apply import apply_bitmask_, unpack_bitmask
 from kiln.structured_output.manager import StructuredOutputRequest
+from kiln.structured_output.params import StructuredOutputsParams as SO
 from server_utils import make_tiny_chat_model
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],

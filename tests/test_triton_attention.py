@@ -14,13 +14,13 @@ import torch
 
 from attention_batches import Batch, dense_reference, make_batch, random_shapes, run_backend
 from conftest import random_prompts
-from kiln.platforms.cpu import CpuPlatform
-from kiln.attention.backend import AttentionLayerSpec
-from kiln.attention.selector import select_backend
 from kiln.attention import selector
+from kiln.attention.backend import AttentionLayerSpec
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.backends.triton_paged import TritonPagedBackend
+from kiln.attention.selector import select_backend
 from kiln.ops.triton_runtime import interpreter_reason
+from kiln.platforms.cpu import CpuPlatform
 
 pytest.importorskip("triton")
 

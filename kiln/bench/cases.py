@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.tuning import shape_key
 from kiln.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.ops.tuning import shape_key
 from kiln.sampling.sampler import apply_top_k_top_p
 
 

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench.cases import Candidate, Case, Shapes, close
-from kiln.ops.tuning import shape_key
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear, pack
+from kiln.ops.tuning import shape_key
 
 
 def layer_shapes(s: Shapes) -> dict[str, tuple[int, int]]:

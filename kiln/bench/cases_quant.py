@@ -14,11 +14,11 @@ import torch
 
 from kiln.bench.cases import Candidate, Case, Shapes, close
 from kiln.bench.cases_linear import layer_shapes
-from kiln.ops.tuning import shape_key
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear_quant
-from kiln.ops.quant_packing import (FORMAT_NAMES, INT8, pack_q4, pack_q8, Q4, Q8,
-                                    quantize_int8, QuantWeight)
+from kiln.ops.quant_packing import (FORMAT_NAMES, INT8, Q4, Q8, QuantWeight, pack_q4, pack_q8,
+                                    quantize_int8)
+from kiln.ops.tuning import shape_key
 
 
 def quant_key(rows: int, n: int, k: int, fmt: int, dtype: torch.dtype) -> str:

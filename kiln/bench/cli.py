@@ -160,8 +160,8 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
         result = run_latency(make_llm(args), args.batch_size, args.input_len,
                              args.output_len, args.num_iters, args.num_iters_warmup, args.seed)
     elif mode == "throughput":
-        from kiln.bench.throughput import (format_throughput as fmt,
-                                           plot_throughput as plot, run_throughput)
+        from kiln.bench.throughput import (format_throughput as fmt, plot_throughput as plot,
+                                           run_throughput)
 
         result = run_throughput(make_llm(args), args.num_prompts, args.input_len,
                                 args.output_len, args.random_range_ratio, args.seed)
@@ -199,13 +199,14 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
         result = run_lora(make_lora, args.num_prompts, args.input_len, args.output_len,
                           args.num_adapters, args.rank, args.repeats)
     elif mode == "structured":
-        from kiln.bench.structured import (format_structured as fmt,
-                                           plot_structured as plot, run_structured)
+        from kiln.bench.structured import (format_structured as fmt, plot_structured as plot,
+                                           run_structured)
 
         result = run_structured(make_llm(args), args.num_prompts, args.output_len,
                                 args.repeats)
     elif mode == "spec":
-        from kiln.bench.spec import DEFAULT_SPEC, format_spec as fmt, plot_spec as plot, run_spec
+        from kiln.bench.spec import (DEFAULT_SPEC, format_spec as fmt, plot_spec as plot,
+                                     run_spec)
 
         spec = args.speculative_config or json.dumps(DEFAULT_SPEC)
 

@@ -42,8 +42,7 @@ def make_gemma3(path: Path, num_layers: int, window: int, pattern: int, max_len:
 
 def _held(path: str, context: int, output_len: int, chunk: int) -> dict[str, Any]:
     from kiln.entrypoints.llm import LLM
-    from kiln.sampling.params import SamplingParams
-    from kiln.sampling.params import RequestOutputKind
+    from kiln.sampling.params import RequestOutputKind, SamplingParams
 
     llm = LLM(path, dtype="float32", optimization_level=0, progress=False,
               max_model_len=context + output_len, max_num_batched_tokens=chunk,

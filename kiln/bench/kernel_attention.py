@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from kiln.attention.selector import BACKENDS
 from kiln.attention.backend import AttentionLayerSpec, AttentionMetadata
+from kiln.attention.selector import BACKENDS
 from kiln.bench.cases import Candidate, Case, Shapes
 from kiln.ops.tuning import shape_key
 

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.bench import plots
-from kiln.bench.report import (SUMMARY_HEADERS, engine_facts, environment, summary_rows,
-                               table)
+from kiln.bench.report import SUMMARY_HEADERS, engine_facts, environment, summary_rows, table
 from kiln.bench.stats import summarize
 from kiln.bench.workload import check_positive, lengths, random_prompts
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln.compiler.cache import (FACTORS, default_cache_root, read_verified_blob,
-                                verify_artifact)
+                                 verify_artifact)
 
 
 def _root(args: argparse.Namespace) -> Path:

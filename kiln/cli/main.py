@@ -9,8 +9,8 @@ from typing import Any, Sequence
 
 from kiln.bench.cli import add_bench_parser, cmd_bench
 from kiln.cli.cache import cmd_cache, cmd_warmup
-from kiln.entrypoints.args import (add_engine_args, add_lora_args, add_sampling_args, make_llm,
-                                   lora_request, sampling_params)
+from kiln.entrypoints.args import (add_engine_args, add_lora_args, add_sampling_args,
+                                   lora_request, make_llm, sampling_params)
 from kiln.entrypoints.openai.server import add_serve_args, cmd_serve
 from kiln.lora.request import LoRARequest
 

@@ -18,7 +18,7 @@ from kiln.compiler.backend import KilnBackend
 from kiln.compiler.cache import CompileCache, default_cache_root
 from kiln.compiler.piecewise import Range
 from kiln.compiler.trace_once import TraceOnceModel
-from kiln.config.compilation import CompilationConfig, GRAPH_FIELDS
+from kiln.config.compilation import GRAPH_FIELDS, CompilationConfig
 from kiln.distributed.parallel_state import get_tp_group
 from kiln.ops import cpu_kernels
 from kiln.platforms import device_name

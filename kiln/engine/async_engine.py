@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.outputs import RequestOutput
 from kiln.engine.lora_unloads import LoRAUnloads
+from kiln.engine.outputs import RequestOutput
 from kiln.lora.request import LoRARequest
 from kiln.sampling.params import RequestOutputKind, SamplingParams
 from kiln.scheduler.step import SchedulerStats

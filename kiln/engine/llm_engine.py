@@ -13,30 +13,30 @@ from kiln.config.engine import EngineConfig
 from kiln.engine.detokenizer import token_namer
 from kiln.engine.output_processor import OutputProcessor, sample_ids
 from kiln.engine.outputs import RequestOutput
-from kiln.request import Request, RequestStatus
-from kiln.kv_transfer.base import KVConnectorRole
-from kiln.kv_transfer.registry import connector_for
-from kiln.lora.request import LoRAError, LoRARequest
-from kiln.lora.registry import AdapterRegistry
-from kiln.executor.abstract import Executor
-from kiln.executor.factory import make_executor
-from kiln.executor.worker import RunnerSpec
 from kiln.engine.startup import (check_draft_model, check_kv_capacity,
                                  check_kv_transfer_params, check_sliding_window,
                                  check_tensor_parallel, kv_fingerprint, load_tokenizer,
                                  resolve_dtype, resolve_max_model_len)
-from kiln.models.model_config import ModelConfig
-from kiln.models.registry import model_class
-from kiln.models.model_source import gguf_source, resolve_model
-from kiln.quantization.resolve import resolve_quantization
-from kiln.runner.state import RunnerLimits
-from kiln.sampling.params import SamplingParams
-from kiln.spec_decode.metrics import SpecDecodingStats
+from kiln.executor.abstract import Executor
+from kiln.executor.factory import make_executor
+from kiln.executor.worker import RunnerSpec
 from kiln.kv_cache.block_hash import BlockHasher
 from kiln.kv_cache.kv_cache_manager import KVCacheManager
+from kiln.kv_transfer.base import KVConnectorRole
+from kiln.kv_transfer.registry import connector_for
+from kiln.lora.registry import AdapterRegistry
+from kiln.lora.request import LoRAError, LoRARequest
+from kiln.models.model_config import ModelConfig
+from kiln.models.model_source import gguf_source, resolve_model
+from kiln.models.registry import model_class
+from kiln.quantization.resolve import resolve_quantization
+from kiln.request import Request, RequestStatus
+from kiln.runner.state import RunnerLimits
+from kiln.sampling.params import SamplingParams
 from kiln.scheduler.output import ModelRunnerOutput
 from kiln.scheduler.scheduler import Scheduler
 from kiln.scheduler.step import SchedulerPolicy, SchedulerStats
+from kiln.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:  # imported on first use: xgrammar loads only when a constraint comes
     from kiln.structured_output.manager import StructuredOutputManager

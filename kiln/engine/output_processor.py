@@ -14,12 +14,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from kiln.engine.detokenizer import IncrementalDetokenizer
-from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.engine.output_text import OutputText
+from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.sampling.logprobs import LogprobsLists, PositionLogprobs, to_position_dicts
 from kiln.sampling.params import RequestOutputKind, SamplingParams
-from kiln.scheduler.step import EngineCoreOutput
 from kiln.scheduler.output import ModelRunnerOutput
+from kiln.scheduler.step import EngineCoreOutput
 
 Namer = Callable[[list[int]], list[str]] | None
 

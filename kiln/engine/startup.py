@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from kiln.compiler.cache import default_cache_root
+from kiln.config.engine import EngineConfig
+from kiln.kv_cache.kv_cache_spec import KVCacheGroupSpec
+from kiln.models.model_config import ModelConfig
 from kiln.ops import cpu_kernels
 from kiln.platforms import platform_for
-from kiln.config.engine import EngineConfig
-from kiln.models.model_config import ModelConfig
-from kiln.kv_cache.kv_cache_spec import KVCacheGroupSpec
 
 logger = logging.getLogger(__name__)
 

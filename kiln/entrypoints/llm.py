@@ -10,8 +10,8 @@ from typing import Any, Iterator, Sequence
 from tqdm import tqdm
 
 from kiln.config.engine import EngineConfig
-from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.lora.request import LoRARequest
 from kiln.sampling.params import RequestOutputKind, SamplingParams
 

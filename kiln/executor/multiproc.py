@@ -38,10 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kiln.executor.abstract import Executor
 from kiln.distributed.parallel_state import (destroy_distributed, init_distributed,
                                              initialize_model_parallel, set_world_timeout,
                                              startup_timeout_s, timeout_s)
+from kiln.executor.abstract import Executor
 from kiln.executor.worker import RunnerSpec, Worker
 from kiln.platforms.cpu import cpu_threads_per_rank
 from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput

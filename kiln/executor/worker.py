@@ -17,13 +17,13 @@ import torch
 from kiln.compiler.counter import compilation_counter
 from kiln.config.compilation import CompilationConfig
 from kiln.config.lora import LoRAConfig
+from kiln.config.quantization import QuantizationConfig
+from kiln.config.speculative import SpeculativeConfig
 from kiln.distributed.parallel_state import get_tp_group
 from kiln.models.model_config import ModelConfig
-from kiln.config.quantization import QuantizationConfig
 from kiln.runner.model_runner import ModelRunner
 from kiln.runner.state import RunnerLimits
 from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from kiln.config.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
 from kiln.attention.forward_context import BatchDescriptor, get_forward_context_or_none
-from kiln.graphs.graph import Graph, weak_ref_tensors
 from kiln.config.compilation import CUDAGraphMode
+from kiln.graphs.graph import Graph, weak_ref_tensors
 
 logger = logging.getLogger(__name__)
 

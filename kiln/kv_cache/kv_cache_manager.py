@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.request import Request
 from kiln.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kiln.kv_cache.kv_cache_spec import KVCacheGroupSpec, KVCacheSpec
-from kiln.kv_cache.single_type_manager import manager_class, SingleTypeManager
+from kiln.kv_cache.single_type_manager import SingleTypeManager, manager_class
+from kiln.request import Request
 
 BlockLists = tuple[list[KVCacheBlock], ...]  # one list per group
 

@@ -35,8 +35,8 @@ from kiln.kv_transfer.layout import KVLayout
 from kiln.kv_transfer.stats import KVTransferStats
 
 if TYPE_CHECKING:
-    from kiln.request import Request
     from kiln.kv_cache.block_pool import KVCacheBlock
+    from kiln.request import Request
 
 logger = logging.getLogger(__name__)
 _RECENT_SAVES = 1 << 16  # hashes handed to the worker lately: never saved twice meanwhile

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 from kiln.config.kv_transfer import CONNECTOR_FIELDS
 
 if TYPE_CHECKING:
-    from kiln.kv_transfer.base import KVConnector, KVConnectorRole
     from kiln.config.kv_transfer import KVTransferConfig
+    from kiln.kv_transfer.base import KVConnector, KVConnectorRole
     from kiln.kv_transfer.layout import KVLayout
 
 _REGISTRY: dict[str, tuple[str, str]] = {

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kiln.distributed.parallel_state import tp_rank
 from kiln.config.lora import LoRAConfig
+from kiln.distributed.parallel_state import tp_rank
 from kiln.models.layers import Linear
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear
 

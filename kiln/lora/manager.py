@@ -15,8 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kiln.lora.adapter import LoRAAdapter, load_adapter
 from kiln.config.lora import LoRAConfig
+from kiln.lora.adapter import LoRAAdapter, load_adapter
 from kiln.lora.layers import clear_slot, install_slots, write_slot
 from kiln.lora.request import LoRARequest
 

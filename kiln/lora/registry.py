@@ -12,8 +12,8 @@ from collections import Counter
 
 import torch
 
-from kiln.lora.adapter import load_adapter
 from kiln.config.lora import LoRAConfig
+from kiln.lora.adapter import load_adapter
 from kiln.lora.layers import lora_targets
 from kiln.lora.request import LoRAError, LoRARequest
 from kiln.models.model_config import ModelConfig

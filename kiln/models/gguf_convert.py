@@ -25,7 +25,8 @@ from filelock import FileLock
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from kiln.models.gguf_arch import ARCHITECTURES, EXPERT_STACKS, GGUFArch, Meta, architecture, hf_name, unpermute_rope_rows
+from kiln.models.gguf_arch import (ARCHITECTURES, EXPERT_STACKS, GGUFArch, Meta, architecture,
+                                   hf_name, unpermute_rope_rows)
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig

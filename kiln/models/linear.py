@@ -23,8 +23,8 @@ from torch import nn
 
 from kiln.distributed.collectives import tp_all_reduce
 from kiln.distributed.parallel_state import tp_rank, tp_size
-from kiln.ops.lora import add_lora
 from kiln.models.layers import Linear
+from kiln.ops.lora import add_lora
 
 
 class CheckpointTensor:

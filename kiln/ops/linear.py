@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.ops import cpu_kernels
-from kiln.ops.quant_packing import dequantize, FP8, QuantWeight
+from kiln.ops.quant_packing import FP8, QuantWeight, dequantize
 
 
 def packable(weight: torch.Tensor) -> bool:

@@ -7,12 +7,12 @@ from collections import Counter
 import torch
 from torch import nn
 
+from kiln.config.quantization import QuantizationConfig
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import param_owners
-from kiln.config.quantization import QuantizationConfig
+from kiln.ops.quant_packing import (FORMAT_NAMES, Q4, Q8, QuantWeight, packable_shape,
+                                    quantize_fp8, quantize_int8, quantize_int8_groups)
 from kiln.quantization.methods import QuantizedLinearMethod, format_name, install
-from kiln.ops.quant_packing import (FORMAT_NAMES, packable_shape, Q4, Q8, quantize_fp8,
-                                    quantize_int8, quantize_int8_groups, QuantWeight)
 from kiln.quantization.plan import layer_panel_from, load_panel_plans
 
 logger = logging.getLogger(__name__)

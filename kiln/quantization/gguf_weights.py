@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.models.gguf_arch import EXPERT_STACKS, GGUFArch, architecture, hf_name, unpermute_rope_rows
-from kiln.ops.quant_packing import pack_q4, pack_q8, packable_shape, QuantWeight
+from kiln.models.gguf_arch import (EXPERT_STACKS, GGUFArch, architecture, hf_name,
+                                   unpermute_rope_rows)
+from kiln.ops.quant_packing import QuantWeight, pack_q4, pack_q8, packable_shape
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kiln.distributed.parallel_state import tp_rank
-from kiln.ops.quant_packing import pack_int8, packable_shape, QuantWeight
+from kiln.ops.quant_packing import QuantWeight, pack_int8, packable_shape
 
 
 def read_scales(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:

@@ -12,16 +12,13 @@ from torch import fx
 from tqdm import tqdm
 
 from kiln.attention.backend import AttentionCGSupport
-from kiln.compiler.piecewise import PiecewiseBackend
-from kiln.config.compilation import CompilationConfig, CompilationMode
-from kiln.graphs.graph import CpuTestGraph, CudaGraph, global_graph_pool
-from kiln.config.compilation import CUDAGraphMode
-from kiln.graphs.wrapper import CUDAGraphWrapper
-from kiln.graphs.dispatcher import GraphDispatcher
-from kiln.graphs.mode import lower_for_attention
 from kiln.attention.forward_context import BatchDescriptor, set_forward_context
-from kiln.graphs.wrapper import capture_phase
-from kiln.graphs.wrapper import GraphFactory
+from kiln.compiler.piecewise import PiecewiseBackend
+from kiln.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+from kiln.graphs.dispatcher import GraphDispatcher
+from kiln.graphs.graph import CpuTestGraph, CudaGraph, global_graph_pool
+from kiln.graphs.mode import lower_for_attention
+from kiln.graphs.wrapper import CUDAGraphWrapper, GraphFactory, capture_phase
 from kiln.platforms import platform_for
 
 logger = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ from typing import Protocol, Sequence
 import torch
 
 from kiln.config.speculative import SpeculativeConfig
+from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow
 from kiln.spec_decode.draft_length import AcceptanceStats, StepCosts, choose_lengths
 from kiln.spec_decode.ngram import NgramProposer, TokenBytes
-from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow
 
 logger = logging.getLogger(__name__)
 

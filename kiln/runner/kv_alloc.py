@@ -12,10 +12,10 @@ from typing import Sequence
 import torch
 
 from kiln.attention.backend import AttentionLayerSpec
+from kiln.kv_cache.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCacheGroupSpec,
+                                         SlidingWindowSpec, describe_groups, group_layers,
+                                         group_size)
 from kiln.runner.huge_pages import huge_zeros
-from kiln.kv_cache.kv_cache_spec import (AttentionSpec, describe_groups, FullAttentionSpec,
-                                         group_layers, group_size, KVCacheGroupSpec,
-                                         SlidingWindowSpec)
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither size field is given
 

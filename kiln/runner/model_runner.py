@@ -19,32 +19,31 @@ import numpy as np
 import torch
 
 from kiln.attention.backend import AttentionMetadata
+from kiln.attention.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.attention.selector import select_backend
 from kiln.compiler.build import compile_model
-from kiln.config.compilation import CompilationConfig, CompilationMode
-from kiln.attention.forward_context import BatchDescriptor, ForwardContext, set_forward_context
-from kiln.kv_transfer.base import KVConnectorRole
+from kiln.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 from kiln.config.kv_transfer import KVTransferConfig
-from kiln.kv_transfer.registry import connector_for
-from kiln.config.compilation import CUDAGraphMode
 from kiln.config.lora import LoRAConfig
+from kiln.config.quantization import QuantizationConfig
+from kiln.config.speculative import SpeculativeConfig
+from kiln.kv_transfer.base import KVConnectorRole
+from kiln.kv_transfer.registry import connector_for
 from kiln.lora.manager import LoRAManager
 from kiln.models.model_config import ModelConfig
-from kiln.config.quantization import QuantizationConfig
+from kiln.models.packing import plan_signature
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import (capture_all, graph_factory, resolve_dispatcher, wrap_full,
                                     wrap_pieces)
+from kiln.runner.drafter import Drafter, DraftModelDrafter, NgramDrafter
 from kiln.runner.kv_alloc import build_kv_cache
-from kiln.runner.prompt_logprobs import compute_prompt_logprobs
-from kiln.sampling.sampler import Sampler
-from kiln.runner.sample_step import sample_step
-from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from kiln.config.speculative import SpeculativeConfig
-from kiln.runner.step_timer import DecodeStepTimer
-from kiln.runner.drafter import DraftModelDrafter, Drafter, NgramDrafter
-from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow
-from kiln.models.packing import plan_signature
 from kiln.runner.load import load_weights
+from kiln.runner.prompt_logprobs import compute_prompt_logprobs
+from kiln.runner.sample_step import sample_step
+from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow
+from kiln.runner.step_timer import DecodeStepTimer
+from kiln.sampling.sampler import Sampler
+from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

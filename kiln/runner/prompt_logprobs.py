@@ -13,8 +13,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from kiln.sampling.logprobs import LogprobsLists
-from kiln.sampling.logprobs import gather_logprobs
+from kiln.sampling.logprobs import LogprobsLists, gather_logprobs
 from kiln.sampling.params import SamplingParams
 
 _ROWS_PER_PASS = 256  # bounds the [rows, vocab] float32 logits of a long prompt chunk

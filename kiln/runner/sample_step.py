@@ -15,10 +15,9 @@ from typing import Protocol
 import torch
 
 from kiln.distributed.parallel_state import get_tp_group
-from kiln.sampling.metadata import SamplingMetadata
-from kiln.sampling.params import SamplingParams
 from kiln.sampling.logprobs import gather_logprobs
-from kiln.sampling.metadata import grammar_rows
+from kiln.sampling.metadata import SamplingMetadata, grammar_rows
+from kiln.sampling.params import SamplingParams
 from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kiln.spec_decode.rejection import DraftRows, verify
 

@@ -14,8 +14,8 @@ import time
 from concurrent import futures
 from typing import TYPE_CHECKING
 
-from kiln.request import Request, RequestStatus
 from kiln.kv_cache.kv_cache_manager import BlockLists, KVCacheManager
+from kiln.request import Request, RequestStatus
 from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                    SchedulerOutput)
 from kiln.scheduler.step import EngineCoreOutput, SchedulerPolicy, SchedulerStats, StepPlan

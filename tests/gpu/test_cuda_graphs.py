@@ -8,13 +8,13 @@ from torch import nn
 
 from conftest import random_prompts
 from kiln import LLM, SamplingParams
-from kiln.attention.selector import BACKENDS
 from kiln.attention.backend import AttentionCGSupport
 from kiln.attention.forward_context import ForwardContext, set_forward_context
+from kiln.attention.selector import BACKENDS
 from kiln.config.compilation import CUDAGraphMode as M
-from kiln.graphs.wrapper import capture_phase, CUDAGraphWrapper
-from kiln.graphs.graph import CudaGraph, global_graph_pool
 from kiln.graphs.dispatcher import GraphDispatcher
+from kiln.graphs.graph import CudaGraph, global_graph_pool
+from kiln.graphs.wrapper import CUDAGraphWrapper, capture_phase
 from kiln.runner.cudagraphs import graph_factory
 
 pytestmark = [pytest.mark.gpu,

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.triton_quant import linear_quant_cuda
 from kiln.ops.quant_packing import dequantize, quantize_fp8, quantize_int8_groups
+from kiln.ops.triton_quant import linear_quant_cuda
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kiln.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
-from kiln.attention.backend import AttentionLayerSpec
+from kiln.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionLayerSpec,
+                                    AttentionMetadata)
 from kiln.ops.triton_runtime import interpreter_reason, triton_installed
 
 if TYPE_CHECKING:

@@ -28,8 +28,7 @@ from kiln.entrypoints.openai.guard import GuardMiddleware
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.entrypoints.openai.models import ServedModels
 from kiln.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                              LoadLoRAAdapterRequest,
-                                              UnloadLoRAAdapterRequest)
+                                              LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
 from kiln.entrypoints.openai.serving import ServingContext
 from kiln.entrypoints.openai.serving_chat import create_chat_completion
 from kiln.entrypoints.openai.serving_completion import create_completion

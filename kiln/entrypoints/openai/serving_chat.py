@@ -11,8 +11,8 @@ from starlette.responses import JSONResponse, Response
 
 from kiln.engine.async_engine import EngineDeadError, RequestStream
 from kiln.entrypoints.openai import serving as sv
-from kiln.entrypoints.openai.errors import bad_request
 from kiln.entrypoints.openai.chat_output import ChoiceOutput
+from kiln.entrypoints.openai.errors import bad_request
 from kiln.entrypoints.openai.logprobs import chat_logprobs
 from kiln.entrypoints.openai.params import to_sampling_params
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
