@@ -10,10 +10,9 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-EngineArgs = Callable[[argparse.ArgumentParser], None]
-
+from kiln.entrypoints.args import add_engine_args, make_llm
 
 def _outputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
@@ -21,7 +20,7 @@ def _outputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
 
 
-def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
+def add_bench_parser(sub: Any) -> None:
     """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
     bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
                                          "| serve | compile | kernels | quality | lora "
@@ -79,35 +78,35 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
                           "$KILN_HOME/tuning.json)")
     ker.add_argument("--no-write", action="store_true", help="do not write the tuning table")
     for p in (lat, tp, comp, ker):
-        engine_args(p)
+        add_engine_args(p)
     qual = modes.add_parser("quality", help="perplexity and greedy agreement per "
                                             "quantization method")
-    engine_args(qual)
+    add_engine_args(qual)
     methods = ["none", "int8", "int8-channel", "gguf"]
     qual.add_argument("--methods", nargs="+", default=methods, choices=methods)
     qual.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     qual.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     lora = modes.add_parser("lora", help="N requests over several random adapters vs the "
                             "base model (with and without LoRA on), interleaved")
-    _interleaved_workload(lora, engine_args, input_len=True)
+    _interleaved_workload(lora, input_len=True)
     lora.add_argument("--num-adapters", type=int, default=4)
     lora.add_argument("--rank", type=int, default=16)
     st = modes.add_parser("structured", help="per-step cost of JSON-schema constraints on "
                           "N requests vs none, interleaved")
-    _interleaved_workload(st, engine_args, input_len=False)
+    _interleaved_workload(st, input_len=False)
     sp = modes.add_parser("spec", help="speculative decoding vs none at batch 1 on an "
                           "input-grounded and a free-chat workload, interleaved")
-    engine_args(sp)
+    add_engine_args(sp)
     sp.add_argument("--output-len", type=int, default=192)
     sp.add_argument("--repeats", type=int, default=3)
     kv = modes.add_parser("kv", help="TTFT of a long shared prefix in a fresh process: "
                                      "warm disk KV tier vs none (and the cost of saving)")
-    engine_args(kv)
+    add_engine_args(kv)
     kv.add_argument("--prefix-len", type=int, default=1500)
     kv.add_argument("--repeats", type=int, default=3)
     pd = modes.add_parser("pd", help="prefill/decode disaggregation (two servers and the "
                                      "proxy) vs one server, under concurrent streams")
-    engine_args(pd)
+    add_engine_args(pd)
     pd.add_argument("--num-prompts", type=int, default=32)
     pd.add_argument("--input-len", type=int, default=1000)
     pd.add_argument("--output-len", type=int, default=64)
@@ -135,10 +134,10 @@ def add_bench_parser(sub: Any, engine_args: EngineArgs) -> None:
         _outputs(p)
 
 
-def _interleaved_workload(p: argparse.ArgumentParser, engine_args: EngineArgs,
+def _interleaved_workload(p: argparse.ArgumentParser,
                           input_len: bool) -> None:
     """The offline workload of the modes that interleave cases `--repeats` times."""
-    engine_args(p)
+    add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=32)
     if input_len:
         p.add_argument("--input-len", type=int, default=128)
@@ -146,8 +145,7 @@ def _interleaved_workload(p: argparse.ArgumentParser, engine_args: EngineArgs,
     p.add_argument("--repeats", type=int, default=3)
 
 
-def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any],
-              engine_args: EngineArgs) -> int:
+def cmd_bench(args: argparse.Namespace) -> int:
     mode = args.bench_mode
     result: dict[str, Any]
     if mode == "latency":
@@ -178,8 +176,8 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
     elif mode == "compile":
         from kiln.bench.compile import format_compile as fmt, plot_compile as plot, run_compile
 
-        result = run_compile(args.levels, engine_argv(args, engine_args,
-                                                      skip={"optimization_level", "cache_dir"}))
+        result = run_compile(args.levels, engine_argv(
+            args, skip={"optimization_level", "cache_dir"}))
     elif mode == "quality":
         from kiln.bench.quality import format_quality as fmt, plot_quality as plot, run_quality
 
@@ -230,7 +228,7 @@ def cmd_bench(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace],
     elif mode in ("kv", "pd"):
         from kiln.bench.kv import format_kv, format_pd, run_kv, run_pd
 
-        argv = engine_argv(args, engine_args, skip=set())
+        argv = engine_argv(args, skip=set())
         if mode == "kv":
             fmt, result = format_kv, run_kv(argv, args.prefix_len, args.repeats)
         else:
@@ -258,12 +256,11 @@ def _no_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     return []
 
 
-def engine_argv(args: argparse.Namespace, engine_args: EngineArgs,
-                skip: set[str]) -> list[str]:
+def engine_argv(args: argparse.Namespace, skip: set[str]) -> list[str]:
     """The engine flags in `args` that differ from their defaults, as command-line words
-    (for a child process that parses them with the same `engine_args`)."""
+    (for a child process that parses them with `add_engine_args`)."""
     probe = argparse.ArgumentParser(add_help=False)
-    engine_args(probe)
+    add_engine_args(probe)
     words: list[str] = []
     for action in probe._actions:
         if action.dest in skip or not action.option_strings:

@@ -6,10 +6,11 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kiln.compiler.cache import (FACTORS, default_cache_root, read_verified_blob,
                                  verify_artifact)
+from kiln.entrypoints.args import make_llm
 
 
 def _root(args: argparse.Namespace) -> Path:
@@ -20,7 +21,7 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def cmd_warmup(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any]) -> int:
+def cmd_warmup(args: argparse.Namespace) -> int:
     """Build the engine (which compiles or loads every size and range) and report, per
     rank: with -tp N every rank warms its own cache entry."""
     if args.optimization_level == 0:

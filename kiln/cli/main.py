@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["ls", "verify", "clear"])
     cache.add_argument("--cache-dir", default=None)
     cache.add_argument("-v", "--verbose", action="store_true")
-    add_bench_parser(sub, add_engine_args)
+    add_bench_parser(sub)
     return parser
 
 
@@ -142,13 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "bench":
-            return cmd_bench(args, make_llm, add_engine_args)
+            return cmd_bench(args)
         if args.command == "warmup":
-            return cmd_warmup(args, make_llm)
+            return cmd_warmup(args)
         if args.command == "cache":
             return cmd_cache(args)
         if args.command == "serve":
-            return cmd_serve(args, make_llm)
+            return cmd_serve(args)
         return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
     except ValueError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)

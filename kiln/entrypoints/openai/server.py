@@ -5,10 +5,10 @@ import argparse
 import logging
 import threading
 import time
-from typing import Any, Callable
 
 from kiln import envs
 from kiln.config.utils import parse_bytes
+from kiln.entrypoints.args import make_llm
 
 logger = logging.getLogger(__name__)
 DEAD_GRACE_S = 2.0  # how long /health says 503 before a server whose engine died exits
@@ -84,7 +84,7 @@ def _lora_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     return modules
 
 
-def cmd_serve(args: argparse.Namespace, make_llm: Callable[[argparse.Namespace], Any]) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
     if args.pd_proxy is not None:
         from kiln.entrypoints.openai.pd_proxy import run_proxy
 
