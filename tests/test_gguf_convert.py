@@ -7,7 +7,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf
@@ -85,9 +85,11 @@ def _gguf_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def write_tiny_gguf(model: LlamaForCausalLM, path: Path, *, tokenizer: bool,
-                    types: dict[str, str] | None = None) -> Path:
+                    types: dict[str, str] | None = None,
+                    metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """`types` maps a GGUF tensor kind ("attn_q", "token_embd", ...) to a quantized type
-    name ("Q4_1"): that tensor is written quantized (gguf's own reference quantizer)."""
+    name ("Q4_1"): that tensor is written quantized (gguf's own reference quantizer).
+    `metadata` adds more keys to the writer."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     add_dims(writer, cfg)
@@ -107,6 +109,8 @@ def write_tiny_gguf(model: LlamaForCausalLM, path: Path, *, tokenizer: bool,
         writer.add_eos_token_id(2)
         writer.add_add_bos_token(False)
         writer.add_chat_template(CHATML)
+    if metadata is not None:
+        metadata(writer)
     finish_gguf(writer, _gguf_tensors(model), types or {})
     return path
 

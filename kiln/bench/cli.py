@@ -1,8 +1,9 @@
-"""`kiln bench latency | throughput | serve | compile | kernels | quality | lora |
-structured | spec | kv | pd | moe | hybrid-kv`: arguments and dispatch.
+"""`kiln bench latency | throughput | serve | compile | kernels | quality | sampling |
+lora | structured | spec | kv | pd | moe | hybrid-kv`: arguments and dispatch.
 
 Every mode prints a table, writes its result as JSON with `--json PATH` (schemas in each
-mode's module docstring) and PNG charts into `--plot DIR` (kv, pd, moe and hybrid-kv draw none).
+mode's module docstring) and PNG charts into `--plot DIR` (kv, pd, moe, hybrid-kv and
+sampling draw none).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _outputs(p: argparse.ArgumentParser) -> None:
 def add_bench_parser(sub: Any) -> None:
     """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
     bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
-                                         "| serve | compile | kernels | quality | lora "
+                                         "| serve | compile | kernels | quality | sampling | lora "
                                          "| structured | spec | kv | pd | moe | hybrid-kv")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     lat = modes.add_parser("latency", help="one fixed batch, timed per engine step")
@@ -86,6 +87,11 @@ def add_bench_parser(sub: Any) -> None:
     qual.add_argument("--methods", nargs="+", default=methods, choices=methods)
     qual.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     qual.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    samp = modes.add_parser("sampling", help="loop rate, distinct-2 and length of chat "
+                            "answers per candidate default sampling parameters")
+    add_engine_args(samp)
+    samp.add_argument("--max-tokens", type=int, default=256, help="tokens per answer")
+    samp.add_argument("--seeds", type=int, default=3, help="runs of each sampled candidate")
     lora = modes.add_parser("lora", help="N requests over several random adapters vs the "
                             "base model (with and without LoRA on), interleaved")
     _interleaved_workload(lora, input_len=True)
@@ -130,7 +136,7 @@ def add_bench_parser(sub: Any) -> None:
     hyb.add_argument("--num-layers", type=int, default=6)
     hyb.add_argument("--output-len", type=int, default=8)
     hyb.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
-    for p in (lat, tp, srv, comp, ker, qual, lora, st, sp, kv, pd, moe, hyb):
+    for p in (lat, tp, srv, comp, ker, qual, samp, lora, st, sp, kv, pd, moe, hyb):
         _outputs(p)
 
 
@@ -186,6 +192,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                   "quantization": quantization}))
 
         result = run_quality(make, args.model, args.methods, args.window, args.max_tokens)
+    elif mode == "sampling":
+        from kiln.bench.chat_defaults import format_chat_defaults as fmt, run_chat_defaults
+
+        result = run_chat_defaults(make_llm(args), args.max_tokens, args.seeds)
+        plot = _no_plots
     elif mode == "lora":
         from kiln.bench.lora import format_lora as fmt, plot_lora as plot, run_lora
 

@@ -13,6 +13,7 @@ from kiln.entrypoints.args import (add_engine_args, add_lora_args, add_sampling_
                                    lora_request, make_llm, sampling_params)
 from kiln.entrypoints.openai.server import add_serve_args, cmd_serve
 from kiln.lora.request import LoRARequest
+from kiln.sampling.defaults import describe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,9 +57,10 @@ def _checked_llm(args: argparse.Namespace, lora: LoRARequest | None) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = sampling_params(args)  # bad sampling values fail before the model loads
+    sampling_params(args)  # bad sampling values fail before the model loads
     lora = lora_request(args)
     llm = _checked_llm(args, lora)
+    params = sampling_params(args, llm.engine.default_sampling)
     prompts: list[Any] = args.prompts
     if args.chat:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -72,8 +74,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     print(f"\nload {llm.engine.load_time_s:.1f} s | {tokens} tokens in {elapsed:.2f} s | "
           f"{tokens / elapsed:.1f} tok/s | {llm.engine.dtype} activations, quantization "
-          f"{llm.engine.quantization.method or 'none'}")
+          f"{llm.engine.quantization.method or 'none'}{_defaults_note(llm)}")
     return 0
+
+
+def _defaults_note(llm: Any) -> str:
+    """Names the generation-config defaults the run used (flags given still win)."""
+    fields = llm.engine.default_sampling
+    return f" | generation config: {describe(fields)}" if fields else ""
 
 
 def _print_all(shown: list[str], outputs: list[Any]) -> int:
@@ -111,8 +119,10 @@ def _stream(llm: Any, shown: list[str], prompts: list[Any], params: Any,
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    sampling_params(args)  # bad sampling values fail before the model loads
     lora = lora_request(args)
     llm = _checked_llm(args, lora)
+    params = sampling_params(args, llm.engine.default_sampling)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -125,7 +135,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line or line in ("/exit", "/quit"):
             break
         history.append({"role": "user", "content": line})
-        out = llm.chat(history, sampling_params(args), use_tqdm=False, lora_request=lora)[0]
+        out = llm.chat(history, params, use_tqdm=False, lora_request=lora)[0]
         if out.error:
             print(f"[error] {out.error}")
             history.pop()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config.compilation import CompilationConfig
+from kiln.config.generation import parse_generation_config, parse_override
 from kiln.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from kiln.config.levels import OptimizationLevel, apply_level_defaults
 from kiln.config.lora import LoRAConfig
@@ -75,9 +76,16 @@ class EngineConfig:
     # KV connector (kiln.kv_transfer), vLLM's names: {"kv_connector": "disk" |
     # "torch_distributed", "kv_role": ..., "kv_connector_extra_config": {...}}
     kv_transfer_config: KVTransferConfig | dict | str | None = None
+    # Default sampling parameters (kiln.config.generation), vLLM's names: "auto" (the
+    # model's generation_config.json), "kiln" (none), or a folder or file path; and a dict
+    # (or JSON) of generation-config keys laid over it
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
+        self.generation_config = parse_generation_config(self.generation_config)
+        self.override_generation_config = parse_override(self.override_generation_config)
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization={self.quantization!r} must be one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}, or unset to follow the "

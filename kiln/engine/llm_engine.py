@@ -32,6 +32,7 @@ from kiln.models.registry import model_class
 from kiln.quantization.resolve import resolve_quantization
 from kiln.request import Request, RequestStatus
 from kiln.runner.state import RunnerLimits
+from kiln.sampling.defaults import generation_defaults
 from kiln.sampling.params import SamplingParams
 from kiln.scheduler.output import ModelRunnerOutput
 from kiln.scheduler.scheduler import Scheduler
@@ -69,6 +70,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config, mc)
         self.max_model_len = resolve_max_model_len(config, mc)
         self.tokenizer = load_tokenizer(path)
+        # Fields a request leaves unset take these (kiln.sampling.defaults).
+        self.default_sampling = generation_defaults(config.generation_config, path,
+                                                    config.override_generation_config)
         torch.manual_seed(config.seed)
         self.lora_config = config.lora_config()
         self.loras = AdapterRegistry(mc, self.lora_config) if self.lora_config else None

@@ -1,7 +1,7 @@
 """The engine flags every command shares (`kiln generate | chat | serve | warmup | bench`,
 and the harnesses in `benchmarks/`), and the LLM and sampling parameters they make.
 
-Public, so a harness adds exactly the flags a user types: `addadd_engine_args(parser)` then
+Public, so a harness adds exactly the flags a user types: `add_engine_args(parser)` then
 `make_llm(parser.parse_args())`.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from kiln.config.engine import EngineConfig
 from kiln.lora.request import LoRARequest
+from kiln.sampling.defaults import with_defaults
 from kiln.sampling.params import SamplingParams
 from kiln.structured_output.params import StructuredOutputsParams
 
@@ -88,6 +89,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "{\"path\": DIR, \"max_size\": \"4GiB\"}}' (a KV tier that "
                         "survives restarts), or kv_connector torch_distributed with kv_role "
                         "kv_producer / kv_consumer for prefill/decode disaggregation")
+    p.add_argument("--generation-config", default="auto", metavar="auto|kiln|PATH",
+                   help="default sampling parameters for requests that do not set them: "
+                        "auto (the model's generation_config.json; default), kiln (kiln's "
+                        "own defaults), or a folder holding a generation_config.json")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="generation-config keys laid over the source, e.g. "
+                        "'{\"repetition_penalty\": 1.1, \"temperature\": 0}'")
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -98,13 +106,17 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
+    # None: unset, so the model's generation config (then CLI_DEFAULTS) decides.
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default: the generation config's max_new_tokens, else 64")
     p.add_argument("--min-tokens", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the generation config's, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="default: the generation config's, else 1 (off)")
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -141,7 +153,9 @@ def make_llm(args: argparse.Namespace) -> Any:
                max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                max_lora_rank=args.max_lora_rank,
                speculative_config=args.speculative_config,
-               kv_transfer_config=args.kv_transfer_config)
+               kv_transfer_config=args.kv_transfer_config,
+               generation_config=args.generation_config,
+               override_generation_config=args.override_generation_config)
 
 
 def lora_request(args: argparse.Namespace) -> LoRARequest | None:
@@ -172,13 +186,25 @@ def compilation_fields(args: argparse.Namespace) -> dict[str, Any]:
     return fields
 
 
-def sampling_params(args: argparse.Namespace) -> Any:
+# What the CLI uses where neither a flag nor the generation config sets a field: greedy,
+# so a command's answer is reproducible unless asked otherwise.
+CLI_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "max_tokens": 64}
+
+
+def sampling_params(args: argparse.Namespace,
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The flags' SamplingParams: a flag given wins, then `defaults` (the engine's
+    generation config, `LLMEngine.default_sampling`), then CLI_DEFAULTS."""
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+             "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+             "max_tokens": args.max_tokens}
+    structured = structured_params(args)
+    fields = with_defaults({**CLI_DEFAULTS, **(defaults or {})}, given,
+                           constrained=structured is not None)
     return SamplingParams(
-        n=getattr(args, "n", 1), temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
-        ignore_eos=args.ignore_eos, seed=args.seed, structured_outputs=structured_params(args))
+        n=getattr(args, "n", 1), presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens, stop=args.stop,
+        ignore_eos=args.ignore_eos, seed=args.seed, structured_outputs=structured, **fields)
 
 
 def structured_params(args: argparse.Namespace) -> Any:

@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -41,6 +41,12 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no sampling_params: SamplingParams'
+        defaults with the model's generation config laid over them (vLLM's method; see
+        `generation_config`). An explicit SamplingParams is used as given."""
+        return SamplingParams(**self.engine.default_sampling)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -82,7 +88,7 @@ class LLM:
              ) -> tuple[list[str], dict[str, RequestOutput]]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = _broadcast(sampling_params, len(prompts))
+        params = _broadcast(sampling_params, len(prompts), self.get_default_sampling_params)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
@@ -144,10 +150,10 @@ class LLM:
         bar.close()
 
 
-def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None,
-               n: int) -> list[SamplingParams]:
+def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int,
+               default: Callable[[], SamplingParams]) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * n
+        return [default()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     if len(params) != n:

@@ -78,6 +78,7 @@ def _convert_into(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
     # safetensors creates its file 0600; give it the umask-derived mode Python used for config.json.
     shutil.copymode(out_dir / "config.json", out_dir / "model.safetensors")
     _generation_config(config.bos_token_id, config.eos_token_id, config.pad_token_id).save_pretrained(out_dir)
+    add_sampling_defaults(out_dir, gguf_sampling_defaults(meta), replace=True)
     if meta.field("tokenizer.ggml.model") is None:
         logger.warning("%s carries no tokenizer; writing weights and config only", gguf_path.name)
     else:
@@ -123,6 +124,50 @@ def _edit_json(path: Path, edit: Callable[[dict[str, Any]], object]) -> None:
     data = json.loads(path.read_text())
     edit(data)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# llama.cpp's `general.sampling.*` keys and the generation_config.json key each one sets.
+# The others (mirostat*, xtc_*, penalty_last_n, sequence) have no kiln equivalent: logged.
+# Note llama.cpp's repeat penalty looks back `penalty_last_n` tokens (64 by default) while
+# kiln's, like transformers' and vLLM's, covers the prompt and every generated token.
+_GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                  "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                  "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def gguf_sampling_defaults(meta: Meta) -> dict[str, Any]:
+    """The sampling defaults a GGUF file declares, as generation-config keys."""
+    out: dict[str, Any] = {}
+    for key in meta.reader.fields:
+        if not key.startswith("general.sampling."):
+            continue
+        value = meta.field(key)
+        if key not in _GGUF_SAMPLING:
+            logger.warning("GGUF %s=%r has no kiln equivalent; not applied", key, value)
+            continue
+        # float32 in the file: 0.8 reads back as 0.800000011920929
+        out[_GGUF_SAMPLING[key]] = round(value, 6) if isinstance(value, float) else value
+    return out
+
+
+def add_sampling_defaults(model_dir: Path, fields: dict[str, Any], *, replace: bool) -> bool:
+    """Write sampling defaults into `model_dir`'s generation_config.json; with
+    replace=False only when the file sets none yet (one that sets any was chosen by
+    someone). `do_sample` follows the temperature so transformers samples alike. Returns
+    whether the file changed."""
+    path = model_dir / "generation_config.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    if not fields or (not replace and any(k in data for k in _SAMPLING_NAMES)):
+        return False
+    data.update(fields)
+    data["do_sample"] = float(data.get("temperature", 1.0)) > 0
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+    return True
+
+
+_SAMPLING_NAMES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _generation_config(bos: int | None, eos: int | None, pad: int | None) -> GenerationConfig:

@@ -1,8 +1,9 @@
 """The one place an OpenAI request becomes `SamplingParams`.
 
-Rules: a field the client did not send keeps SamplingParams' default; `max_tokens`
-defaults to what fits in max_model_len after the prompt, and an explicit one that does not
-fit is a 400 (as OpenAI and vLLM do) rather than a silent truncation. A field this
+Rules: a field the client did not send takes the engine's default (the model's
+generation config, kiln.sampling.defaults), else SamplingParams' default; `max_tokens`
+defaults to the generation config's max_new_tokens, else to what fits in max_model_len after
+the prompt (capped there in either case), and an explicit one that does not fit is a 400 (as OpenAI and vLLM do) rather than a silent truncation. A field this
 engine's SamplingParams does not have yet is a 400 unless it is set to its neutral value,
 so a client never gets a silently different sampler than it asked for.
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 from kiln.entrypoints.openai.errors import APIError, bad_request, from_value_error
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kiln.sampling.defaults import with_defaults
 from kiln.sampling.params import SamplingParams
 from kiln.structured_output.params import StructuredOutputsParams
 
@@ -40,9 +42,13 @@ def supports(field_name: str) -> bool:
 
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                        max_model_len: int,
-                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                       structured: StructuredOutputsParams | None = None,
+                       defaults: dict[str, Any] | None = None) -> SamplingParams:
     """`structured`: a constraint the endpoint made itself (tool calls); else the
-    request's own `response_format` / `structured_outputs`, if any."""
+    request's own `response_format` / `structured_outputs`, if any. `defaults`: the
+    engine's `default_sampling`, for the fields the request did not send."""
+    defaults = dict(defaults or {})
+    default_max = defaults.pop("max_tokens", None)
     chat = isinstance(req, ChatCompletionRequest)
     max_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None \
         else "max_tokens"
@@ -59,7 +65,8 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
         kwargs["logprobs"] = logprobs
     kwargs["structured_outputs"] = structured or structured_outputs(req)
     kwargs["max_tokens"] = _max_tokens(getattr(req, max_name), max_name, prompt_len,
-                                       max_model_len)
+                                       max_model_len, default_max)
+    kwargs = with_defaults(defaults, kwargs, constrained=kwargs["structured_outputs"] is not None)
     for name in list(kwargs):
         if not supports(name):
             if kwargs[name] != _NEUTRAL.get(name, object()):
@@ -73,14 +80,15 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
                                 "logprobs": "top_logprobs" if chat else "logprobs"}) from None
 
 
-def _max_tokens(requested: int | None, name: str, prompt_len: int, max_model_len: int) -> int:
+def _max_tokens(requested: int | None, name: str, prompt_len: int, max_model_len: int,
+                default: int | None = None) -> int:
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens but max_model_len is "
                        f"{max_model_len} (prompt plus at least one new token must fit); "
                        "shorten the prompt", None, "context_length_exceeded")
     if requested is None:
-        return room
+        return room if default is None else min(default, room)
     if requested < 1:
         raise bad_request(f"{name}={requested} must be a positive integer", name)
     if requested > room:

@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"port={args.port} must be in 1..65535")
     max_body = parse_bytes(args.max_request_body_bytes, "max_request_body_bytes")
     for name in (__name__, "kiln.entrypoints.openai.app", "kiln.engine.llm_engine",
-                 "kiln.entrypoints.openai.serving_lora"):
+                 "kiln.entrypoints.openai.serving_lora", "kiln.sampling.defaults"):
         logging.getLogger(name).setLevel(logging.INFO)  # start-up stages are always shown
     lora_modules = _lora_settings(args)
     from kiln.entrypoints.openai.tool_parsers import make_tool_parser

@@ -53,6 +53,11 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The generation config's fields, for those a request leaves unset."""
+        return self.engine.engine.default_sampling
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

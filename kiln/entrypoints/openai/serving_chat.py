@@ -63,7 +63,8 @@ async def create_chat_completion(ctx: sv.ServingContext, req: ChatCompletionRequ
     plan = _plan(req)
     prompt = apply_chat_template(ctx.tokenizer, req, plan)
     params = to_sampling_params(req, len(prompt["prompt_token_ids"]), ctx.max_model_len,
-                                plan.constraint() if plan.active else None)
+                                plan.constraint() if plan.active else None,
+                                ctx.default_sampling)
     rid = sv.new_id("chatcmpl")
     streams = await sv.start_requests(ctx, rid, [prompt], [params], "messages",
                                       req.kv_transfer_params)

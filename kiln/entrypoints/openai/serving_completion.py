@@ -48,8 +48,8 @@ async def create_completion(ctx: sv.ServingContext, req: CompletionRequest,
                             request: Request) -> Response:
     _check_unsupported(req)
     prompts = _prompts(ctx, req)
-    params = [to_sampling_params(req, len(p["prompt_token_ids"]), ctx.max_model_len)
-              for p in prompts]
+    params = [to_sampling_params(req, len(p["prompt_token_ids"]), ctx.max_model_len,
+                                 defaults=ctx.default_sampling) for p in prompts]
     rid = sv.new_id("cmpl")
     streams = await sv.start_requests(ctx, rid, prompts, params, "prompt",
                                       req.kv_transfer_params)
