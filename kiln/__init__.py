@@ -9,7 +9,8 @@ from kiln.version import __version__
 __getattr__, __dir__, _names = lazy_exports(__name__, {
     "CompletionOutput": "engine.outputs", "EngineConfig": "config.engine",
     "LLM": "entrypoints.llm", "LLMEngine": "engine.llm_engine",
-    "LoRARequest": "lora.request", "RequestOutput": "engine.outputs",
-    "SamplingParams": "sampling.params",
+    "IOProcessor": "entrypoints.io_processor", "LoRARequest": "lora.request",
+    "ModelRegistry": "models.registry", "RequestOutput": "engine.outputs",
+    "SamplingParams": "sampling.params", "StatLoggerBase": "engine.stat_loggers",
 })
 __all__ = [*_names, "__version__"]

@@ -16,6 +16,7 @@ tests and launchers change them between engines.
 | KILN_DIST_STARTUP_TIMEOUT_S | the same bound while ranks start (connect, load, compile) | max(600, step bound) |
 | KILN_API_KEY | `kiln serve --api-key`'s default | none |
 | KILN_ALLOW_RUNTIME_LORA_UPDATING | `kiln serve --allow-runtime-lora-updating`'s default (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING works too) | off |
+| KILN_PLUGINS | comma-separated entry-point names: only these plugins load, in every group (`""`: none) | unset: all |
 | KILN_PROBE_T0 | set by `kiln bench compile` for the start-up probe it spawns: the spawn time | unset |
 
 Other programs' variables kiln passes on or reads as theirs (TRITON_INTERPRET, torchrun's
@@ -44,6 +45,12 @@ def _true(*names: str) -> bool:
     return any(os.environ.get(n, "").strip().lower() in ("1", "true") for n in names)
 
 
+def _names(name: str) -> list[str] | None:
+    """A comma-separated list; unset is None, and "" an empty list (matches nothing)."""
+    value = os.environ.get(name)
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
 def _dist_timeout() -> float:
     return float(os.environ.get("KILN_DIST_TIMEOUT_S", DEFAULT_DIST_TIMEOUT_S))
 
@@ -60,6 +67,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "KILN_API_KEY": lambda: os.environ.get("KILN_API_KEY"),
     "KILN_ALLOW_RUNTIME_LORA_UPDATING": lambda: _true("VLLM_ALLOW_RUNTIME_LORA_UPDATING",
                                                       "KILN_ALLOW_RUNTIME_LORA_UPDATING"),
+    "KILN_PLUGINS": lambda: _names("KILN_PLUGINS"),
     "KILN_PROBE_T0": lambda: float(os.environ.get("KILN_PROBE_T0", "nan")),
 }
 

@@ -143,7 +143,7 @@ def test_resolution_and_conflicts(tmp_path: Path, tiny_models):
         resolve_quantization(None, bad, None)
     from kiln import LLM
 
-    with pytest.raises(ValueError, match="quantization='fp8' runs on CUDA only"):
+    with pytest.raises(ValueError, match="quantization='fp8' does not run on cpu"):
         LLM(str(path), quantization="fp8", optimization_level=0, progress=False)
     with pytest.raises(ValueError, match="quantization='fp4' must be one of"):
         from kiln.config.engine import EngineConfig

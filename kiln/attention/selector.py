@@ -65,7 +65,7 @@ def select_backend(name: str | None, head_size: int, dtype: torch.dtype,
                              "automatically")
         return BACKENDS[name]
     refused: list[str] = []
-    for candidate in platform_for(device).attention_backends:
+    for candidate in platform_for(device).get_attn_backend_cls(None):
         reason = _refusal(BACKENDS[candidate], head_size, dtype, device, layers)
         if reason is None:
             if refused:

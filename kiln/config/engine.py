@@ -81,6 +81,9 @@ class EngineConfig:
     # (or JSON) of generation-config keys laid over it
     generation_config: str = "auto"
     override_generation_config: dict | str | None = None
+    # An IO processor plugin by name (kiln.entrypoints.io_processor); None: the model
+    # config.json's `io_processor_plugin`, if any
+    io_processor_plugin: str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from kiln import envs
+from kiln.platforms import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ def tp_size() -> int:
 
 
 def device_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """The device's collective backend: its platform's `dist_backend`."""
+    return platform_for(device).dist_backend
 
 
 def init_distributed(world_size: int, rank: int, init_method: str = "env://") -> None:

@@ -17,6 +17,8 @@ from kiln.engine.startup import (check_draft_model, check_kv_capacity,
                                  check_kv_transfer_params, check_sliding_window,
                                  check_tensor_parallel, kv_fingerprint, load_tokenizer,
                                  resolve_dtype, resolve_max_model_len)
+from kiln.engine.stat_loggers import (iteration_stats, load_stat_loggers, prompt_tokens_scheduled,
+                                      record_all)
 from kiln.executor.abstract import Executor
 from kiln.executor.factory import make_executor
 from kiln.executor.worker import RunnerSpec
@@ -29,6 +31,8 @@ from kiln.lora.request import LoRAError, LoRARequest
 from kiln.models.model_config import ModelConfig
 from kiln.models.model_source import gguf_source, resolve_model
 from kiln.models.registry import model_class
+from kiln.platforms import platform_for
+from kiln.plugins import load_general_plugins
 from kiln.quantization.resolve import resolve_quantization
 from kiln.request import Request, RequestStatus
 from kiln.runner.state import RunnerLimits
@@ -53,6 +57,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         start = time.perf_counter()
         self.config = config
+        load_general_plugins()  # plugins register models before any is resolved
+        platform_for(config.device).check_and_update_config(config)
         path = resolve_model(config.model, progress=progress)
         self.model_config = mc = ModelConfig.from_pretrained(path)
         model_class(mc.architecture)  # unknown architectures fail before any loading
@@ -60,9 +66,13 @@ class LLMEngine:
         check_sliding_window(mc, config)
         self.quantization = qc = resolve_quantization(config.quantization, path,
                                                       gguf_source(config.model))
-        if qc.method == "fp8" and config.device != "cuda":
-            raise ValueError("quantization='fp8' runs on CUDA only (a Triton kernel); on a "
-                             "CPU use --quantization int8")
+        platform = platform_for(config.device)
+        if qc.method is not None and qc.method != "none" and \
+                qc.method not in platform.supported_quantization:
+            raise ValueError(f"quantization={qc.method!r} does not run on "
+                             f"{platform.device_type} (it runs: "
+                             f"{', '.join(platform.supported_quantization)}); fp8 is a CUDA "
+                             "Triton kernel: on a CPU use --quantization int8")
         if qc.method == "gguf" and config.tensor_parallel_size > 1:
             raise ValueError("quantization='gguf' runs with tensor_parallel_size=1 only (its "
                              "blocks are not sharded yet); pass --quantization none to "
@@ -124,6 +134,10 @@ class LLMEngine:
                                    kv_connector=self.kv_connector)
         self._last_stats_log = time.monotonic()
         self.output_processor = OutputProcessor(self.tokenizer, token_namer(self.tokenizer))
+        # Plugin stat loggers live where outputs are processed (rank 0 under torchrun).
+        self.stat_loggers = load_stat_loggers(config) if self.executor.is_driver else []
+        for stat_logger in self.stat_loggers:
+            stat_logger.log_engine_initialized()
         self.load_time_s = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d, quantization %s%s%s",
                     self.load_time_s, mc.architecture, self.dtype, self.max_model_len,
@@ -279,6 +293,8 @@ class LLMEngine:
         """Run one scheduler step; return at most one output per user request that got new
         tokens, shaped by its `output_kind` (cumulative, delta, or final only)."""
         so = self.scheduler.schedule()
+        prompt_tokens = prompt_tokens_scheduled(self.scheduler.requests, so.num_scheduled_tokens) \
+            if self.stat_loggers else 0
         if so.is_empty and not (so.finished_req_ids or so.preempted_req_ids):
             # Nothing to run or tell the workers: every waiting request's grammar is still
             # compiling, or its KV still arriving. Wait (briefly) rather than spin.
@@ -289,6 +305,9 @@ class LLMEngine:
         self._maybe_log_stats()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         core_outputs += self.scheduler.take_errors()  # failed alone while scheduling
+        if self.stat_loggers:
+            record_all(self.stat_loggers, self.get_stats(),
+                       iteration_stats(prompt_tokens, core_outputs))
         outputs, stopped = self.output_processor.process(core_outputs, runner_out)
         if stopped:  # finished by a stop string: free their blocks now
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

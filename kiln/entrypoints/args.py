@@ -93,6 +93,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default sampling parameters for requests that do not set them: "
                         "auto (the model's generation_config.json; default), kiln (kiln's "
                         "own defaults), or a folder holding a generation_config.json")
+    p.add_argument("--io-processor-plugin", default=None, metavar="NAME",
+                   help="an installed kiln.io_processor_plugins entry: LLM.process and "
+                        "the server's POST /process use it (default: the model "
+                        "config.json's io_processor_plugin, if any)")
     p.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="generation-config keys laid over the source, e.g. "
                         "'{\"repetition_penalty\": 1.1, \"temperature\": 0}'")
@@ -155,6 +159,7 @@ def make_llm(args: argparse.Namespace) -> Any:
                speculative_config=args.speculative_config,
                kv_transfer_config=args.kv_transfer_config,
                generation_config=args.generation_config,
+               io_processor_plugin=args.io_processor_plugin,
                override_generation_config=args.override_generation_config)
 
 

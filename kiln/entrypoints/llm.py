@@ -12,6 +12,7 @@ from tqdm import tqdm
 from kiln.config.engine import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import CompletionOutput, RequestOutput
+from kiln.entrypoints.io_processor import as_prompts, get_io_processor
 from kiln.lora.request import LoRARequest
 from kiln.sampling.params import RequestOutputKind, SamplingParams
 
@@ -34,6 +35,11 @@ class LLM:
                               **kwargs)
         self.engine = LLMEngine(config, progress=progress)
         self._ids = itertools.count()
+        try:
+            self.io_processor = get_io_processor(config, self.engine.model_config.path)
+        except ValueError:
+            self.engine.shutdown()  # a failed start-up leaves no worker behind
+            raise
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes now (garbage collection does it too)."""
@@ -47,6 +53,20 @@ class LLM:
         defaults with the model's generation config laid over them (vLLM's method; see
         `generation_config`). An explicit SamplingParams is used as given."""
         return SamplingParams(**self.engine.default_sampling)
+
+    def process(self, data: Any, use_tqdm: bool = False) -> Any:
+        """Run the IO processor plugin (`io_processor_plugin`) on `data`: parse, pre-process
+        into prompts, generate, post-process; returns what the plugin returns."""
+        proc = self.io_processor
+        if proc is None:
+            raise ValueError("process() needs an IO processor: start the LLM with "
+                             "io_processor_plugin=NAME (an installed kiln.io_processor_plugins "
+                             "entry)")
+        parsed = proc.parse_request(data)
+        request_id = str(next(self._ids))
+        prompts = as_prompts(proc.pre_process(parsed, request_id))
+        outputs = self.generate(prompts, proc.sampling_params(parsed), use_tqdm=use_tqdm)
+        return proc.post_process(outputs, request_id)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -122,8 +142,7 @@ class LLM:
     def apply_chat_template(self, conversation: list[Message],
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        from kiln.entrypoints.openai.tools import (ToolPlan, render_messages,
-                                                   template_knows_tools)
+        from kiln.entrypoints.openai.tools import (ToolPlan, render_messages, template_knows_tools)
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with raw text")

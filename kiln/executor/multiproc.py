@@ -43,7 +43,9 @@ from kiln.distributed.parallel_state import (destroy_distributed, init_distribut
                                              startup_timeout_s, timeout_s)
 from kiln.executor.abstract import Executor
 from kiln.executor.worker import RunnerSpec, Worker
+from kiln.platforms import platform_for
 from kiln.platforms.cpu import cpu_threads_per_rank
+from kiln.plugins import load_general_plugins
 from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -243,9 +245,11 @@ def _worker_main(rank: int, tp: int, port: int, spec: RunnerSpec, threads: int,
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: "
                                                 "%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    load_general_plugins()  # every kiln process, before the model is resolved
     torch.set_num_threads(threads)
-    if spec.device == "cuda":
-        torch.cuda.set_device(rank)  # one device per rank, on this host
+    if spec.device == "cuda":  # one device per rank, on this host
+        platform = platform_for(spec.device)
+        torch.cuda.set_device(platform.logical_device_id_to_visible_device_id(rank))
     engine = tp
     init_distributed(tp + 1, rank, f"tcp://127.0.0.1:{port}")
     initialize_model_parallel(tp, torch.device(spec.device), tp)

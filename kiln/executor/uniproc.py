@@ -19,6 +19,7 @@ from kiln.distributed.parallel_state import (destroy_distributed, get_tp_group,
                                              init_distributed, initialize_model_parallel)
 from kiln.executor.abstract import Executor
 from kiln.executor.worker import RunnerSpec, Worker
+from kiln.platforms import platform_for
 from kiln.platforms.cpu import cpu_threads_per_rank
 from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -64,8 +65,9 @@ class ExternalLauncherExecutor(InProcessExecutor):
                              "parallelism exist")
         local = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device(spec.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(local)
+        if device.type == "cuda":  # the local rank's device, through the control variable
+            torch.cuda.set_device(
+                platform_for(device).logical_device_id_to_visible_device_id(local))
         else:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             threads = cpu_threads_per_rank(local_ranks)

@@ -2,6 +2,6 @@
 from kiln.exports import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "build_model": "loader", "model_class": "registry", "MODEL_REGISTRY": "registry",
+    "build_model": "loader", "model_class": "registry", "ModelRegistry": "registry",
     "ModelConfig": "model_config",
 })

@@ -8,6 +8,9 @@ from kiln.platforms.interface import Platform
 
 class CudaPlatform(Platform):
     device_type = "cuda"
+    dist_backend = "nccl"
+    supported_quantization = ("int8", "int8-channel", "gguf", "fp8")
+    device_control_env_var = "CUDA_VISIBLE_DEVICES"
     supports_cuda_graphs = True
     graph_warmups = 1
     attention_backends = ("triton", "torch")

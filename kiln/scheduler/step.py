@@ -40,6 +40,14 @@ class SchedulerStats:
     kv_transfer: KVTransferStats | None = None  # None: no KV connector
 
     @property
+    def num_running_reqs(self) -> int:  # vLLM's name
+        return self.num_running
+
+    @property
+    def num_waiting_reqs(self) -> int:  # vLLM's name
+        return self.num_waiting
+
+    @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries \
             if self.prefix_cache_queries else 0.0

@@ -23,10 +23,12 @@ from starlette.responses import JSONResponse, Response
 
 from kiln.engine.async_engine import AsyncLLMEngine
 from kiln.engine.llm_engine import LLMEngine
+from kiln.entrypoints.io_processor import IOProcessor
 from kiln.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 from kiln.entrypoints.openai.guard import GuardMiddleware
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.entrypoints.openai.models import ServedModels
+from kiln.entrypoints.openai.plugins import add_process_route, mount_endpoint_plugins
 from kiln.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                               LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
 from kiln.entrypoints.openai.serving import ServingContext
@@ -49,6 +51,7 @@ class ServerSettings:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) each
     allow_runtime_lora_updating: bool = False
     tool_call_parser: str = "hermes"
+    endpoint_plugins: tuple[str, ...] = ()  # kiln.endpoint_plugins entries to mount
 
 
 async def _warmup(engine: AsyncLLMEngine) -> None:
@@ -71,7 +74,8 @@ async def _parse(request: Request, model: type[M]) -> M:
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings,
-              on_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_dead: Callable[[BaseException], None] | None = None,
+              io_processor: IOProcessor | None = None) -> FastAPI:
     """`on_dead` runs (on the engine thread) when a step fails for good, e.g. a dead
     worker: `kiln serve` uses it to exit non-zero after a short grace period."""
     models = ServedModels(settings.model_name, settings.model_root or settings.model_name,
@@ -142,6 +146,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
         req = await _parse(request, UnloadLoRAAdapterRequest)
         return await unload_lora_adapter(async_engine, models, req)
 
+    add_process_route(app, ctx, io_processor)
+    mount_endpoint_plugins(app, settings.endpoint_plugins)  # opt-in, by name
     app.state.async_engine = async_engine
     app.state.models = models
     app.state.metrics = metrics

@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: API-key check for /v1/* and a request body
+"""ASGI middleware in front of every route: API-key check for every path but the probes'
+(/health, /metrics: so /v1/*, /process and endpoint plugins' routes) and a request body
 size limit. Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client
 disconnects pass through untouched."""
 from __future__ import annotations
@@ -7,6 +8,11 @@ import hmac
 from typing import Any
 
 from kiln.entrypoints.openai.errors import APIError
+
+
+# Open for probes and scrapers. Everything else needs the key when one is set, including
+# routes plugins add (vLLM guards only /v1; a plugin's route is network exposure too).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 class GuardMiddleware:
@@ -42,8 +48,8 @@ class GuardMiddleware:
         await self.app(scope, limited_receive, send)
 
     def _check_key(self, path: str, headers: dict[str, str]) -> APIError | None:
-        if not self.api_key or not path.startswith("/v1"):
-            return None  # /health and /metrics stay open for probes and scrapers
+        if not self.api_key or path in OPEN_PATHS:
+            return None
         auth = headers.get("authorization", "")
         if not auth:
             return APIError(401, "missing API key: send the header 'Authorization: Bearer "

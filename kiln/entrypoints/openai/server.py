@@ -41,6 +41,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(turns LoRA on); default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING=True. "
                         "Any client with the API key can then make the server read a "
                         "directory: local use only")
+    p.add_argument("--endpoint-plugins", default=None, metavar="NAME[,NAME]",
+                   help="mount the HTTP routes of these kiln.endpoint_plugins entries "
+                        "(none without this flag: routes are opt-in)")
     p.add_argument("--tool-call-parser", default="hermes",
                    help="how tool_choice='auto' finds the model's tool calls in its text "
                         "(default hermes: <tool_call>{...}</tool_call>)")
@@ -84,6 +87,10 @@ def _lora_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     return modules
 
 
+def _names(value: str | None) -> tuple[str, ...]:
+    return tuple(n.strip() for n in (value or "").split(",") if n.strip())
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.pd_proxy is not None:
         from kiln.entrypoints.openai.pd_proxy import run_proxy
@@ -113,16 +120,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kiln.entrypoints.openai.app import ServerSettings, build_app
+    from kiln.entrypoints.openai.plugins import check_endpoint_plugins
 
     start = time.perf_counter()
-    engine = make_llm(args).engine  # model load + compile (or compile-cache load)
+    endpoint_plugins = _names(args.endpoint_plugins)
+    check_endpoint_plugins(endpoint_plugins)  # a typo fails before the model loads
+    llm = make_llm(args)  # model load + compile (or compile-cache load)
+    engine = llm.engine
     logger.info("start-up: engine %.1f s (model load and compile, -O%d)",
                 time.perf_counter() - start, args.optimization_level)
     settings = ServerSettings(_model_name(args), args.api_key, max_body,
                               model_root=args.model or DEFAULT_MODEL_NAME,
                               lora_modules=lora_modules,
                               allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                              tool_call_parser=args.tool_call_parser)
+                              tool_call_parser=args.tool_call_parser,
+                              endpoint_plugins=endpoint_plugins)
     died: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -134,7 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threading.Timer(DEAD_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
 
     try:
-        app = build_app(engine, settings, on_dead)  # a bad --lora-modules adapter fails here
+        app = build_app(engine, settings, on_dead, llm.io_processor)  # a bad --lora-modules adapter fails here
         logger.info("serving '%s' on http://%s:%d once warm-up is done%s",
                     settings.model_name, args.host, args.port,
                     "" if settings.api_key else " (no API key)")
