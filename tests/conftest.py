@@ -111,4 +111,8 @@ def smollm2_dir() -> Path:
 def smollm2_hf(smollm2_dir: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir,
                                                               dtype=torch.float32)
+    # The reference is plain greedy, as the parity tests ask of kiln: the converted model's
+    # generation_config.json carries kiln's chat default (a repetition penalty), which
+    # transformers' generate() would otherwise apply.
+    model.generation_config.repetition_penalty = 1.0
     return model.eval()
