@@ -2,9 +2,10 @@
 
 Rules: a field the client did not send takes the engine's default (the model's
 generation config, kiln.sampling.defaults), else SamplingParams' default; `max_tokens`
-defaults to the generation config's max_new_tokens, else to what fits in max_model_len after
-the prompt (capped there in either case), and an explicit one that does not fit is a 400 (as OpenAI and vLLM do) rather than a silent truncation. A field this
-engine's SamplingParams does not have yet is a 400 unless it is set to its neutral value,
+defaults to the generation config's max_new_tokens, else to what fits in max_model_len
+after the prompt (capped there in either case), and an explicit one that does not fit is a
+400 (as OpenAI and vLLM do) rather than a silent truncation. A field this engine's
+SamplingParams does not have yet is a 400 unless it is set to its neutral value,
 so a client never gets a silently different sampler than it asked for.
 """
 from __future__ import annotations
@@ -66,7 +67,8 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
     kwargs["structured_outputs"] = structured or structured_outputs(req)
     kwargs["max_tokens"] = _max_tokens(getattr(req, max_name), max_name, prompt_len,
                                        max_model_len, default_max)
-    kwargs = with_defaults(defaults, kwargs, constrained=kwargs["structured_outputs"] is not None)
+    kwargs = with_defaults(defaults, kwargs,
+                           constrained=kwargs["structured_outputs"] is not None)
     for name in list(kwargs):
         if not supports(name):
             if kwargs[name] != _NEUTRAL.get(name, object()):
