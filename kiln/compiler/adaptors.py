@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from kiln.compiler.counter import compilation_counter
+from kiln.compiler.vec_isa import record_vec_isa, vec_isa_patch
 
 # Inductor's per-process precompiled-header step runs g++ -E even when every kernel is
 # cached; turning it off keeps a warm start free of any C++ toolchain call.
@@ -95,7 +96,7 @@ class InductorAdaptor(CompilerAdaptor):
         compilation_counter.num_inductor_compiles += 1
         shapes = "from_graph" if dynamic else "from_example_inputs"
         work = None if save_dir is None else save_dir.parent / (save_dir.name + ".inductor")
-        with inductor_config.patch(self.options):
+        with inductor_config.patch({**self.options, **vec_isa_patch()}):
             if work is None:
                 return torch._inductor.standalone_compile(graph, list(args),
                                                           dynamic_shapes=shapes, options={})
@@ -104,6 +105,7 @@ class InductorAdaptor(CompilerAdaptor):
                                                               dynamic_shapes=shapes,
                                                               options={})
             artifact.save(path=str(save_dir), format="unpacked")
+        record_vec_isa()
         _copy_shared_objects(work, save_dir)
         shutil.rmtree(work, ignore_errors=True)
         return artifact
@@ -111,9 +113,10 @@ class InductorAdaptor(CompilerAdaptor):
     def load(self, artifact_dir):
         from torch._inductor import config as inductor_config
 
-        with inductor_config.patch(self.options):
+        with inductor_config.patch({**self.options, **vec_isa_patch()}):
             fn = torch._inductor.CompiledArtifact.load(path=str(artifact_dir),
                                                        format="unpacked")
+        record_vec_isa()
         compilation_counter.num_compiled_artifacts_loaded += 1
         return fn
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import inspect
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ def source_hash(model: nn.Module) -> str:
         "kiln.quantization.methods", "kiln.ops.lora"}
     h = hashlib.sha256()
     for name in sorted(modules):
-        source = inspect.getsourcefile(sys.modules[name])
+        source = inspect.getsourcefile(importlib.import_module(name))
         if source:
             h.update(name.encode())
             h.update(Path(source).read_bytes())

@@ -19,12 +19,18 @@ _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 @functools.lru_cache(maxsize=2)
 def open_gguf(path: Path) -> object:
-    """The file's `gguf.GGUFReader`, opened once per process: parsing the metadata of the
-    embedded model (its 49k-token vocabulary) takes about 2 s, and start-up needs the
-    reader twice (the tensor types here, the blocks in gguf_weights.py)."""
+    """The file's tensor table and metadata, read once per process (start-up needs them
+    twice: the tensor types here, the blocks in gguf_weights.py). `GGUFIndex` reads the
+    embedded model's in 0.09 s where gguf.GGUFReader takes 2.2 s (its 49k-token
+    vocabulary); a big-endian file falls back to GGUFReader."""
     import gguf
 
-    return gguf.GGUFReader(path)
+    from kiln.models.gguf_index import GGUFIndex
+
+    try:
+        return GGUFIndex(path)
+    except ValueError:
+        return gguf.GGUFReader(path)
 
 
 def gguf_tensor_types(path: Path) -> dict[str, int]:
