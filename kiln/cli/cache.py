@@ -35,6 +35,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     print(f"kiln warmup: {llm.engine.model_config.architecture}, {llm.engine.dtype}, "
           f"quantization {llm.engine.quantization.method or 'none'}, "
           f"-O{args.optimization_level}, {elapsed:.1f} s start-up")
+    print(f"  start-up      {llm.engine.phases.describe()}")
     for report in reports:
         _print_report(report, len(reports))
     return 0

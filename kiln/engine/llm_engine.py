@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.compiler.cache import default_cache_root
 from kiln.config.engine import EngineConfig
 from kiln.engine.detokenizer import token_namer
 from kiln.engine.output_processor import OutputProcessor, sample_ids
@@ -31,10 +32,12 @@ from kiln.lora.request import LoRAError, LoRARequest
 from kiln.models.model_config import ModelConfig
 from kiln.models.model_source import gguf_source, resolve_model
 from kiln.models.registry import model_class
+from kiln.ops import cpu_kernels
 from kiln.platforms import platform_for
 from kiln.plugins import load_general_plugins
 from kiln.quantization.resolve import resolve_quantization
 from kiln.request import Request, RequestStatus
+from kiln.runner.phases import Phases
 from kiln.runner.state import RunnerLimits
 from kiln.sampling.defaults import generation_defaults
 from kiln.sampling.params import SamplingParams
@@ -57,10 +60,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         start = time.perf_counter()
         self.config = config
+        self.phases = phases = Phases()  # where start-up's seconds go
         load_general_plugins()  # plugins register models before any is resolved
         platform_for(config.device).check_and_update_config(config)
-        path = resolve_model(config.model, progress=progress)
-        self.model_config = mc = ModelConfig.from_pretrained(path)
+        with phases("model files"):  # a GGUF file's one-time conversion lands here
+            path = resolve_model(config.model, progress=progress)
+        with phases("model config"):
+            self.model_config = mc = ModelConfig.from_pretrained(path)
         model_class(mc.architecture)  # unknown architectures fail before any loading
         check_tensor_parallel(mc, config.tensor_parallel_size)
         check_sliding_window(mc, config)
@@ -77,9 +83,13 @@ class LLMEngine:
             raise ValueError("quantization='gguf' runs with tensor_parallel_size=1 only (its "
                              "blocks are not sharded yet); pass --quantization none to "
                              "shard the dequantized weights, or -tp 1")
+        if config.device == "cpu":
+            with phases("kernels"):  # built once per machine, then only loaded
+                cpu_kernels.ensure_loaded(default_cache_root(), progress)
         self.dtype = resolve_dtype(config, mc)
         self.max_model_len = resolve_max_model_len(config, mc)
-        self.tokenizer = load_tokenizer(path)
+        with phases("tokenizer"):
+            self.tokenizer = load_tokenizer(path)
         # Fields a request leaves unset take these (kiln.sampling.defaults).
         self.default_sampling = generation_defaults(config.generation_config, path,
                                                     config.override_generation_config)
@@ -99,8 +109,10 @@ class LLMEngine:
                           quantization=qc, lora=self.lora_config, speculative=sc,
                           draft_model_config=draft_mc,
                           kv_transfer=None if kvt is None else (kvt, fingerprint))
-        self.executor: Executor = make_executor(config.distributed_executor_backend,
-                                                config.tensor_parallel_size, spec)
+        with phases("workers"):
+            self.executor: Executor = make_executor(config.distributed_executor_backend,
+                                                    config.tensor_parallel_size, spec)
+        phases.split("workers", self.executor.startup_phases)
         # Workers stop with the engine: garbage-collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         try:
@@ -139,10 +151,11 @@ class LLMEngine:
         for stat_logger in self.stat_loggers:
             stat_logger.log_engine_initialized()
         self.load_time_s = time.perf_counter() - start
-        logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d, quantization %s%s%s",
-                    self.load_time_s, mc.architecture, self.dtype, self.max_model_len,
-                    qc.method or "none", f", speculative {sc.describe()}" if sc else "",
-                    f", KV connector {kvt.describe()}" if kvt else "")
+        logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d, quantization %s%s%s "
+                    "(%s)", self.load_time_s, mc.architecture, self.dtype,
+                    self.max_model_len, qc.method or "none",
+                    f", speculative {sc.describe()}" if sc else "",
+                    f", KV connector {kvt.describe()}" if kvt else "", phases.describe())
 
     @property
     def runner(self) -> Any:

@@ -14,7 +14,7 @@ from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 class Executor:
     """What the engine calls. `describe` fills kv_spec (group 0's), kv_groups,
-    num_kv_blocks, attention_backend."""
+    num_kv_blocks, attention_backend and startup_phases (rank 0's runner)."""
 
     tp_size: int = 1
     is_driver: bool = True  # this process hands outputs to the caller
@@ -24,6 +24,7 @@ class Executor:
         self.kv_groups = info["kv_groups"]
         self.num_kv_blocks = info["num_kv_blocks"]
         self.attention_backend = info["attention_backend"]
+        self.startup_phases: dict[str, float] = info.get("startup_phases", {})  # rank 0's
 
     @property
     def runner(self) -> Any:

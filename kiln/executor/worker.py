@@ -86,7 +86,8 @@ class Worker:
         r = self.runner
         return {"kv_spec": r.kv_spec, "kv_groups": r.kv_groups,
                 "num_kv_blocks": r.num_kv_blocks,
-                "attention_backend": r.attn_backend_cls.name}
+                "attention_backend": r.attn_backend_cls.name,
+                "startup_phases": dict(r.phases.seconds)}
 
     def flush_kv_saves(self) -> dict[str, float]:
         """Wait for the KV connector's saves in flight; their counters since the last

@@ -38,6 +38,7 @@ from kiln.runner.cudagraphs import (capture_all, graph_factory, resolve_dispatch
 from kiln.runner.drafter import Drafter, DraftModelDrafter, NgramDrafter
 from kiln.runner.kv_alloc import build_kv_cache
 from kiln.runner.load import load_weights
+from kiln.runner.phases import Phases
 from kiln.runner.prompt_logprobs import compute_prompt_logprobs
 from kiln.runner.sample_step import sample_step
 from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow
@@ -67,8 +68,12 @@ class ModelRunner:
                  kv_transfer: tuple[KVTransferConfig, dict] | None = None) -> None:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
         self.quantization = quantization or QuantizationConfig()
-        self.model = load_weights(model_config, self.quantization, dtype, device, progress)
-        self._init_attention(attention_backend, kv_cache_memory, num_kv_blocks)
+        self.phases = phases = Phases()  # where start-up's seconds go (runner/phases.py)
+        with phases("weights"):
+            self.model = load_weights(model_config, self.quantization, dtype, device,
+                                      progress)
+        with phases("KV cache"):
+            self._init_attention(attention_backend, kv_cache_memory, num_kv_blocks)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._alloc_buffers()
@@ -76,8 +81,10 @@ class ModelRunner:
         # With speculation, uniform decode also comes as 1 + k tokens per request.
         self._spec_k = speculative.num_speculative_tokens if speculative else 0
         self._init_forward(compilation, lora, progress)
-        self.drafter = None if speculative is None else make_drafter(
-            speculative, self, draft_model_config, compilation, attention_backend, progress)
+        with phases("drafter"):
+            self.drafter = None if speculative is None else make_drafter(
+                speculative, self, draft_model_config, compilation, attention_backend,
+                progress)
         self._step_timer = None if self.drafter is None else DecodeStepTimer(
             self.drafter.observe_step)
         # The worker side of the KV connector, over this rank's cache layout.
@@ -121,18 +128,20 @@ class ModelRunner:
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
         self.compile_backend = None
         if compilation is not None and compilation.mode == CompilationMode.PIECEWISE:
-            self.forward, self.compile_backend = compile_model(
-                self.model, compilation, self.dtype, self.device,
-                self.limits.max_num_batched_tokens, progress,
-                attention_backend=self.attn_backend_cls.name,
-                quantization=self.quantization.cache_key(),
-                lora=lora.cache_key() if lora else None,
-                weight_plan=plan_signature(self.model))
-            self._compile_now()
+            with self.phases("compile"):  # trace, then compile or load every size
+                self.forward, self.compile_backend = compile_model(
+                    self.model, compilation, self.dtype, self.device,
+                    self.limits.max_num_batched_tokens, progress,
+                    attention_backend=self.attn_backend_cls.name,
+                    quantization=self.quantization.cache_key(),
+                    lora=lora.cache_key() if lora else None,
+                    weight_plan=plan_signature(self.model))
+                self._compile_now()
         self.graph_capture_s = 0.0
         if self.dispatcher.mode:
-            self._install_graphs(compilation.graph_backend)
-            self.capture_model(progress)
+            with self.phases("graphs"):
+                self._install_graphs(compilation.graph_backend)
+                self.capture_model(progress)
 
     def context(self, metadata: list[AttentionMetadata] | None,
                  desc: BatchDescriptor | None = None, padding: torch.Tensor | None = None,
