@@ -72,10 +72,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                        use_tqdm=len(prompts) > 1,
                                                        lora_request=lora))
     elapsed = time.perf_counter() - start
-    print(f"\nload {llm.engine.load_time_s:.1f} s | {tokens} tokens in {elapsed:.2f} s | "
+    print(f"\nstart-up: {llm.engine.phases.describe()}")
+    print(f"load {llm.engine.load_time_s:.1f} s | {tokens} tokens in {elapsed:.2f} s | "
           f"{tokens / elapsed:.1f} tok/s | {llm.engine.dtype} activations, quantization "
           f"{llm.engine.quantization.method or 'none'}{_defaults_note(llm)}")
-    print(f"start-up: {llm.engine.phases.describe()}")
     return 0
 
 
