@@ -87,7 +87,8 @@ def load_general_plugins() -> None:
 
 
 def resolve_qualname(qualname: str) -> Any:
-    """"pkg.mod:Name" (or "pkg.mod.Name") -> the object; a ValueError names a bad one."""
+    """The object a qualified name ("pkg.mod:Name" or "pkg.mod.Name") names; a ValueError
+    names a bad one."""
     module, sep, attr = qualname.partition(":")
     if not sep:
         module, _, attr = qualname.rpartition(".")
