@@ -10,10 +10,11 @@ source gave; with "kiln" it is the whole of the defaults.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
+
+from kiln.config.utils import json_dict
 
 # The generation-config keys kiln applies, and the SamplingParams field each one sets.
 SAMPLING_KEYS: dict[str, str] = {
@@ -42,14 +43,7 @@ def parse_override(value: dict[str, Any] | str | None) -> dict[str, Any]:
     """The override_generation_config fields, checked: known keys and numeric values."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"override_generation_config is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("override_generation_config must be a dict such as "
-                         "'{\"repetition_penalty\": 1.1}'")
+    value = json_dict(value, "override_generation_config", "'{\"repetition_penalty\": 1.1}'")
     unknown = sorted(set(value) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"override_generation_config: unknown key(s) {', '.join(unknown)}; "

@@ -26,10 +26,9 @@ def parse_bytes(value: int | str, field_name: str) -> int:
     return n
 
 
-def config_fields(value: dict[str, Any] | str, cls: type, name: str,
-                  example: str) -> dict[str, Any]:
-    """The fields of a dataclass config given as a dict or a JSON string (a CLI flag):
-    bad JSON, another type or an unknown field is a ValueError that names `name`."""
+def json_dict(value: dict[str, Any] | str, name: str, example: str) -> dict[str, Any]:
+    """A dict given as itself or as a JSON string (a CLI flag); bad JSON or another type
+    is a ValueError that names `name`."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -37,6 +36,14 @@ def config_fields(value: dict[str, Any] | str, cls: type, name: str,
             raise ValueError(f"{name} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a dict such as {example}")
+    return value
+
+
+def config_fields(value: dict[str, Any] | str, cls: type, name: str,
+                  example: str) -> dict[str, Any]:
+    """The fields of a dataclass config given as a dict or a JSON string (a CLI flag):
+    bad JSON, another type or an unknown field is a ValueError that names `name`."""
+    value = json_dict(value, name, example)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(value) - names)
     if unknown:
