@@ -144,3 +144,12 @@ def test_isa_class_caps_by_environment(monkeypatch):
     monkeypatch.setenv("KILN_CPU_ISA", "avx9000")
     with pytest.raises(ValueError, match="KILN_CPU_ISA"):
         isa_class()
+
+
+def test_the_unity_build_compiles_every_source_once():
+    from kiln.ops.cpu_kernels import SOURCES, UNITY_GROUPS
+
+    names = [name for group in UNITY_GROUPS for name in group]
+    assert sorted(names) == sorted(src.name for src in SOURCES)
+    # Their AVX2 panels share file-local names: one unit each.
+    assert not any({"linear_bf16.cpp", "linear_quant.cpp"} <= set(g) for g in UNITY_GROUPS)

@@ -46,6 +46,8 @@ def test_sources_parse_and_fail_by_name(tmp_path):
         parse_override({"seed": 3})
     with pytest.raises(ValueError, match="override_generation_config.*not valid JSON"):
         parse_override("{temperature")
+    with pytest.raises(ValueError, match="^override_generation_config: top_k=40.5"):
+        generation_defaults("auto", tmp_path, {"top_k": 40.5})  # not blamed on the file
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 3.0}))
     with pytest.raises(ValueError, match="generation_config.json: top_p=3.0 must be"):
         generation_defaults("auto", tmp_path)
@@ -81,6 +83,7 @@ def test_gguf_sampling_keys_reach_generation_config(tmp_path, monkeypatch):
         writer.add_sampling_top_k(40)
         writer.add_sampling_penalty_repeat(1.05)
         writer.add_sampling_mirostat(2)  # no kiln equivalent: logged, not applied
+        writer.add_sampling_min_p(1.5)  # outside what kiln accepts: logged, not applied
 
     model = _tiny_model(tied=True, rope={"rope_theta": 10000.0, "rope_type": "default"})
     path = write_tiny_gguf(model, tmp_path / "s.gguf", tokenizer=False, metadata=sampling)
@@ -89,6 +92,7 @@ def test_gguf_sampling_keys_reach_generation_config(tmp_path, monkeypatch):
     assert {k: data[k] for k in ("temperature", "top_k", "repetition_penalty")} == \
         {"temperature": 0.8, "top_k": 40, "repetition_penalty": 1.05}
     assert data["do_sample"] is True and "mirostat" not in json.dumps(data)
+    assert "min_p" not in data
     assert transformers.GenerationConfig.from_pretrained(out).top_k == 40  # still valid
     assert generation_defaults("auto", out)["temperature"] == 0.8
 

@@ -218,3 +218,6 @@ def test_device_id_namespaces(monkeypatch):
         cuda.logical_device_id_to_visible_device_id(0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # empty counts as unset
     assert cuda.visible_device_ids() is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8a3c1f2e,GPU-77b0aa91")  # UUIDs
+    monkeypatch.setattr(CudaPlatform, "_assigned_physical_ids", None)
+    assert cuda.logical_device_id_to_visible_device_id(1) == 1

@@ -67,10 +67,13 @@ def distinct_2(text: str) -> float:
 
 
 def candidates(model_defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """CANDIDATES, plus the model's own generation-config defaults when it has some."""
+    """CANDIDATES, plus the model's own generation-config defaults when they differ from
+    every candidate (greedy unless the file sets a temperature, as `kiln generate` runs
+    them)."""
     rows = dict(CANDIDATES)
     own = {k: v for k, v in model_defaults.items() if k != "max_tokens"}
-    if own and own not in rows.values():
+    own = {"temperature": 0.0, **own}
+    if len(own) > 1 and own not in rows.values():
         rows["the model's generation config"] = own
     return rows
 

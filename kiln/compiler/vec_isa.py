@@ -49,16 +49,25 @@ def vec_isa_patch() -> dict[str, Any]:
 def record_vec_isa() -> None:
     """After Inductor probed in this process: record the answer if every ISA the CPU
     reports passed."""
+    from torch._inductor import cpu_vec_isa
+
+    if not cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+        return  # nothing probed here (a CUDA graph, or the answer was trusted): no news
     marker = _marker()
     if marker is None or marker.is_file():
         return
-    from torch._inductor import cpu_vec_isa
-
     flags = cpu_vec_isa.x86_isa_checker()
     reported = [isa for isa in cpu_vec_isa.supported_vec_isa_list
                 if all(flag in flags for flag in str(isa).split())]
-    if reported and cpu_vec_isa.valid_vec_isa_list() == reported:
+    if not reported or cpu_vec_isa.valid_vec_isa_list() != reported:
+        return
+    names = " ".join(str(isa) for isa in reported)
+    try:  # atomic, and optional: a read-only cache only means probing again next time
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(" ".join(str(isa) for isa in reported) + "\n")
-        logger.info("vector ISAs %s probed once for this machine (%s)",
-                    ", ".join(str(isa) for isa in reported), marker)
+        tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
+        tmp.write_text(names + "\n")
+        os.replace(tmp, marker)
+    except OSError as exc:
+        logger.info("vector-ISA answer not recorded (%s): Inductor probes again", exc)
+        return
+    logger.info("vector ISAs %s probed once for this machine (%s)", names, marker)

@@ -18,6 +18,7 @@ from kiln.config.parallel import check_parallel
 from kiln.config.quantization import CHOICES as QUANTIZATION_CHOICES
 from kiln.config.speculative import SpeculativeConfig, parse_speculative_config
 from kiln.config.utils import parse_bytes, positive_int
+from kiln.platforms import platform_for
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
@@ -86,6 +87,10 @@ class EngineConfig:
     io_processor_plugin: str | None = None
 
     def __post_init__(self) -> None:
+        # The platform (a plugin's may, kiln.platforms) adjusts the fields first, so what it
+        # sets is validated and gets the level's defaults like the user's own settings.
+        if self.device in ("cpu", "cuda"):
+            platform_for(self.device).check_and_update_config(self)
         self.dtype = parse_dtype(self.dtype)
         self.generation_config = parse_generation_config(self.generation_config)
         self.override_generation_config = parse_override(self.override_generation_config)

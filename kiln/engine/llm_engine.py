@@ -18,7 +18,8 @@ from kiln.engine.startup import (check_draft_model, check_kv_capacity,
                                  check_kv_transfer_params, check_sliding_window,
                                  check_tensor_parallel, kv_fingerprint, load_tokenizer,
                                  resolve_dtype, resolve_max_model_len)
-from kiln.engine.stat_loggers import (iteration_stats, load_stat_loggers, prompt_tokens_scheduled,
+from kiln.engine.stat_loggers import (iteration_stats, load_stat_loggers,
+                                      log_engine_initialized, prompt_tokens_scheduled,
                                       record_all)
 from kiln.executor.abstract import Executor
 from kiln.executor.factory import make_executor
@@ -62,7 +63,6 @@ class LLMEngine:
         self.config = config
         self.phases = phases = Phases()  # where start-up's seconds go
         load_general_plugins()  # plugins register models before any is resolved
-        platform_for(config.device).check_and_update_config(config)
         with phases("model files"):  # a GGUF file's one-time conversion lands here
             path = resolve_model(config.model, progress=progress)
         with phases("model config"):
@@ -148,8 +148,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, token_namer(self.tokenizer))
         # Plugin stat loggers live where outputs are processed (rank 0 under torchrun).
         self.stat_loggers = load_stat_loggers(config) if self.executor.is_driver else []
-        for stat_logger in self.stat_loggers:
-            stat_logger.log_engine_initialized()
+        log_engine_initialized(self.stat_loggers)
         self.load_time_s = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %s, %s, max_model_len=%d, quantization %s%s%s "
                     "(%s)", self.load_time_s, mc.architecture, self.dtype,
@@ -185,7 +184,7 @@ class LLMEngine:
                     cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None,
                     kv_transfer_params: dict[str, Any] | None = None) -> None:
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.default_sampling)
         check_kv_transfer_params(kv_transfer_params)
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")

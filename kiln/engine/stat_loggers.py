@@ -55,6 +55,17 @@ def load_stat_loggers(config: Any, engine_index: int = 0) -> list[StatLoggerBase
     return loggers
 
 
+def log_engine_initialized(loggers: list[StatLoggerBase]) -> None:
+    """Call every logger's start-up hook; one that raises is logged and dropped."""
+    for stat_logger in list(loggers):
+        try:
+            stat_logger.log_engine_initialized()
+        except Exception:
+            logger.exception("stat logger %s failed; it is dropped",
+                             type(stat_logger).__name__)
+            loggers.remove(stat_logger)
+
+
 def record_all(loggers: list[StatLoggerBase], scheduler_stats: SchedulerStats,
                iteration_stats: IterationStats) -> None:
     """Call every logger; one that raises is logged and removed from `loggers`."""

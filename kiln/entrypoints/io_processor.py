@@ -71,17 +71,23 @@ def get_io_processor(config: Any, model_dir: Path) -> IOProcessor | None:
                if q is not None}
     if not answers:
         raise ValueError(f"io_processor_plugin={name!r} was requested but no IOProcessor "
-                         "plugin is installed (entry point group "
-                         f"{IO_PROCESSOR_PLUGINS_GROUP})")
+                         "plugin is installed, or none loaded (entry point group "
+                         f"{IO_PROCESSOR_PLUGINS_GROUP}; a failure to load is logged)")
     if name not in answers:
-        raise ValueError(f"io_processor_plugin={name!r} is not installed; installed: "
-                         f"{', '.join(sorted(answers))}")
-    cls = resolve_qualname(answers[name])
+        raise ValueError(f"io_processor_plugin={name!r} is not installed (or failed to load: "
+                         f"see the log); installed: {', '.join(sorted(answers))}")
+    answer = answers[name]  # a qualified name, as in vLLM, or the class itself
+    cls = resolve_qualname(answer) if isinstance(answer, str) else answer
     if not (isinstance(cls, type) and issubclass(cls, IOProcessor)):
-        raise ValueError(f"io_processor_plugin {name!r} returned {answers[name]!r}, which is "
+        raise ValueError(f"io_processor_plugin {name!r} returned {answer!r}, which is "
                          "not a kiln.IOProcessor subclass")
-    logger.info("IO processor %r (%s)", name, answers[name])
-    return cls(config)
+    try:
+        processor = cls(config)
+    except Exception as exc:  # the plugin's own failure, reported as a start-up error
+        raise ValueError(f"io_processor_plugin {name!r}: {cls.__name__}(config) failed: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    logger.info("IO processor %r (%s)", name, answer)
+    return processor
 
 
 def as_prompts(prompts: Prompt | list[Prompt]) -> list[Prompt]:

@@ -147,7 +147,27 @@ def gguf_sampling_defaults(meta: Meta) -> dict[str, Any]:
             continue
         # float32 in the file: 0.8 reads back as 0.800000011920929
         out[_GGUF_SAMPLING[key]] = round(value, 6) if isinstance(value, float) else value
-    return out
+    return _valid_sampling(out)
+
+
+# The ranges SamplingParams accepts (kiln.sampling.params), per generation-config key.
+_SAMPLING_RANGES: dict[str, Callable[[float], bool]] = {
+    "temperature": lambda v: v >= 0, "top_p": lambda v: 0 < v <= 1,
+    "top_k": lambda v: v >= -1 and float(v).is_integer(), "min_p": lambda v: 0 <= v <= 1,
+    "repetition_penalty": lambda v: v > 0}
+
+
+def _valid_sampling(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields kiln accepts; one llama.cpp allows but kiln refuses (a negative
+    temperature, top_p 0) is logged and left out, so it cannot stop every later start."""
+    kept: dict[str, Any] = {}
+    for key, value in fields.items():
+        if isinstance(value, (int, float)) and _SAMPLING_RANGES[key](value):
+            kept[key] = int(value) if key == "top_k" else value
+        else:
+            logger.warning("GGUF sampling default %s=%r is outside what kiln accepts; not "
+                           "applied", key, value)
+    return kept
 
 
 def add_sampling_defaults(model_dir: Path, fields: dict[str, Any], *, replace: bool) -> bool:

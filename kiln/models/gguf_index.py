@@ -20,11 +20,12 @@ from gguf.gguf_reader import ReaderTensor
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-          6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+# Explicitly little-endian, as the file is, whatever the host's byte order.
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+          10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
-_FLOAT_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
-                 "I16": np.int16, "I32": np.int32, "I64": np.int64}
+_FLOAT_DTYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "<i1", "I16": "<i2",
+                 "I32": "<i4", "I64": "<i8"}
 
 
 class IndexField:
@@ -62,13 +63,18 @@ class GGUFIndex:
         for _ in range(n_tensors):
             name, pos = self._string(pos)
             (n_dims,), pos = struct.unpack_from("<I", self.buf, pos), pos + 4
-            dims = np.frombuffer(self.buf, np.uint64, n_dims, pos).copy()
+            dims = np.frombuffer(self.buf, "<u8", n_dims, pos).astype(np.uint64)
             pos += 8 * n_dims
             ttype, offset = struct.unpack_from("<IQ", self.buf, pos)
             pos += 12
             infos.append((name, dims, ttype, offset))
         align_field = self.fields.get("general.alignment")
         align = int(align_field.contents()) if align_field is not None else 32
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"{path}: general.alignment={align} is not a power of two")
+        names = [info[0] for info in infos]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{path}: duplicated tensor names")
         start = pos + (-pos) % align
         self.tensors = [self._tensor(name, dims, ttype, start + offset)
                         for name, dims, ttype, offset in infos]

@@ -95,8 +95,12 @@ def _file_key(path: Path) -> str:
 def _default_converted(progress: bool) -> Path:
     out_dir = _converted(default_gguf_path(), kiln_home() / "models" / DEFAULT_MODEL, progress=progress)
     # Also upgrades a conversion made before kiln shipped these; a file that already sets
-    # sampling keys is left as it is.
-    add_sampling_defaults(out_dir, DEFAULT_CHAT_SAMPLING, replace=False)
+    # sampling keys is left as it is, and a read-only one only loses the defaults.
+    try:
+        add_sampling_defaults(out_dir, DEFAULT_CHAT_SAMPLING, replace=False)
+    except OSError as exc:
+        logger.warning("could not add the default chat sampling to %s (%s); pass "
+                       "--repetition-penalty 1.1 for the measured default", out_dir, exc)
     return out_dir
 
 

@@ -3,8 +3,8 @@
 The kernels are compiled with the host's g++ the first time an engine starts on a CPU
 with AVX2 or AVX512 (about 15 s on two cores, shown as one log line: the sources include
 ATen and torch/library.h rather than torch/extension.h, which measured 39 s of g++ per
-file against 12 s, and are built as one unity unit per core, `unity_sources`), for the
-host's ISA class
+file against 12 s, and are built as two unity units, `UNITY_GROUPS`), for the host's ISA
+class
 (`kiln.platforms.cpu.isa_class`: AMX, AVX512-BF16, plain AVX512 or AVX2; see csrc/simd.h), and the shared
 object is kept in the kiln cache directory under a hash of the source, the flags and the
 torch version, so later starts only `dlopen` it. `KILN_CPU_ISA` caps the class, so one
@@ -149,30 +149,23 @@ def _load(cache_root: Path, progress: bool) -> None:
     _state["signature"] = sig
 
 
-def _build_jobs() -> int:
-    """g++ processes at once: torch's MAX_JOBS if set, else the CPUs this process may use."""
-    if os.environ.get("MAX_JOBS", "").isdigit():
-        return max(1, int(os.environ["MAX_JOBS"]))
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
+# The unity build's translation units: each #includes its sources in this order. Each
+# .cpp costs about 7 s of g++ on ATen's headers alone, so eight files took 37 s on two
+# cores where these two units take 16-20 s (Zen 4), and on one core about 30 s. The
+# grouping is fixed, not per core count, because sources share file-local names across
+# units: linear_bf16.cpp's AVX2 panel (PanelFn, kPanel) and linear_quant.cpp's must never
+# meet in one unit. A new source goes into the unit it compiles in on every ISA class.
+UNITY_GROUPS = (("linear_quant_x8.cpp", "linear_quant.cpp", "lora.cpp", "greedy.cpp"),
+                ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant_bf16.cpp",
+                 "bitmask.cpp"))
 
 
-def unity_sources(build_dir: Path, jobs: int) -> list[str]:
-    """SOURCES as `jobs` translation units that #include them (a unity build), balanced
-    by size. Each .cpp costs about 7 s of g++ on ATen's headers alone, so eight files on
-    two cores took 37 s where two unity units take 13 s (Zen 4). The invariant it needs:
-    file-local names (statics, anonymous namespaces) are unique across csrc/, or the
-    build fails loudly."""
-    groups: list[list[Path]] = [[] for _ in range(max(1, min(jobs, len(SOURCES))))]
-    sizes = [0] * len(groups)
-    for src in sorted(SOURCES, key=lambda p: -p.stat().st_size):
-        i = sizes.index(min(sizes))
-        groups[i].append(src)
-        sizes[i] += src.stat().st_size
+def unity_sources(build_dir: Path) -> list[str]:
+    """The UNITY_GROUPS units, written into `build_dir`."""
     paths = []
-    for i, group in enumerate(groups):
+    for i, group in enumerate(UNITY_GROUPS):
         unit = build_dir / f"kiln_unity_{i}.cpp"
-        unit.write_text("".join(f'#include "{src}"\n' for src in group))
+        unit.write_text("".join(f'#include "{CSRC / name}"\n' for name in group))
         paths.append(str(unit))
     return paths
 
@@ -190,7 +183,7 @@ def _build(target: Path, progress: bool) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp, \
             tqdm(total=1, desc="building kiln's CPU kernels (once per machine)",
                  disable=not progress, bar_format="{desc}: {elapsed}") as bar:
-        load(LIB_NAME, sources=unity_sources(Path(tmp), _build_jobs()),
+        load(LIB_NAME, sources=unity_sources(Path(tmp)),
              extra_cflags=cflags(isa_class()),
              extra_ldflags=["-fopenmp"], build_directory=tmp, is_python_module=False,
              verbose=False)

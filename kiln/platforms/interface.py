@@ -67,10 +67,14 @@ class Platform:
 
     def visible_device_ids(self) -> list[int] | None:
         """The physical ids the control variable exposes, in order; None when unset (an
-        empty value counts as unset, as a CPU-only Ray bundle leaves it)."""
+        empty value counts as unset, as a CPU-only Ray bundle leaves it) or when it names
+        devices by UUID or MIG name rather than index."""
         value = os.environ.get(self.device_control_env_var, "") \
             if self.device_control_env_var else ""
-        return [int(v) for v in value.split(",") if v.strip()] or None
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        if not all(v.isdigit() for v in items):
+            return None  # UUIDs or MIG names: opaque, so the logical index is used as is
+        return [int(v) for v in items] or None
 
     def device_id_to_physical_device_id(self, logical: int) -> int:
         assigned = type(self)._assigned_physical_ids

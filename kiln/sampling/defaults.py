@@ -30,7 +30,12 @@ def generation_defaults(source: str, model_dir: Path,
     else:
         path = model_dir / FILE_NAME if source == "auto" else Path(source)
         fields = _read_fields(path) if path.is_file() else {}
-    fields.update({SAMPLING_KEYS[k]: v for k, v in (override or {}).items()})
+    overrides = {SAMPLING_KEYS[k]: v for k, v in (override or {}).items()}
+    try:
+        SamplingParams(**overrides)
+    except ValueError as exc:
+        raise ValueError(f"override_generation_config: {exc}") from None
+    fields.update(overrides)
     try:
         SamplingParams(**fields)
     except ValueError as exc:
