@@ -171,6 +171,16 @@ def test_endpoint_plugins_are_opt_in(plugin_path, models, tmp_path, monkeypatch)
             stop_server(server)
 
 
+def test_a_misnamed_io_processor_fails_before_the_model_loads(plugin_path, models):
+    code = ("from kiln import LLM\n"
+            f"LLM({str(models['plain'])!r}, optimization_level=0, io_processor_plugin='nope')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(plugin_path)}, timeout=120)
+    assert res.returncode != 0
+    assert "io_processor_plugin='nope' is not installed" in res.stderr
+    assert "installed: example_io" in res.stderr
+
+
 def test_a_misnamed_endpoint_plugin_fails_at_start_up(plugin_path, models):
     res = subprocess.run([sys.executable, "-m", "kiln.cli.main", "serve", str(models["plain"]),
                           "--endpoint-plugins", "nope"], capture_output=True, text=True,

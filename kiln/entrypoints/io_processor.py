@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.engine.outputs import RequestOutput
-from kiln.plugins import (IO_PROCESSOR_PLUGINS_GROUP, call_plugins, load_plugins_by_group,
-                          resolve_qualname)
+from kiln.plugins import (IO_PROCESSOR_PLUGINS_GROUP, call_plugins, discover,
+                          load_plugins_by_group, resolve_qualname)
 from kiln.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,17 @@ def processor_name(requested: str | None, model_dir: Path) -> str | None:
         return json.loads((model_dir / "config.json").read_text()).get("io_processor_plugin")
     except (OSError, ValueError):
         return None
+
+
+def check_io_processor_name(name: str | None) -> None:
+    """An explicitly named processor must be installed: checked before the model loads,
+    so a typo fails in a second rather than after the whole start-up."""
+    if not name:
+        return
+    installed = sorted(ep.name for ep in discover(IO_PROCESSOR_PLUGINS_GROUP))
+    if name not in installed:
+        raise ValueError(f"io_processor_plugin={name!r} is not installed (or not allowed by "
+                         f"KILN_PLUGINS); installed: {', '.join(installed) or 'none'}")
 
 
 def get_io_processor(config: Any, model_dir: Path) -> IOProcessor | None:

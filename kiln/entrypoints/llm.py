@@ -12,7 +12,8 @@ from tqdm import tqdm
 from kiln.config.engine import EngineConfig
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.outputs import CompletionOutput, RequestOutput
-from kiln.entrypoints.io_processor import as_prompts, get_io_processor
+from kiln.entrypoints.io_processor import (as_prompts, check_io_processor_name,
+                                           get_io_processor)
 from kiln.lora.request import LoRARequest
 from kiln.sampling.params import RequestOutputKind, SamplingParams
 
@@ -33,6 +34,7 @@ class LLM:
                  optimization_level: int = 2, progress: bool = True, **kwargs: Any) -> None:
         config = EngineConfig(model=model, dtype=dtype, optimization_level=optimization_level,
                               **kwargs)
+        check_io_processor_name(config.io_processor_plugin)
         self.engine = LLMEngine(config, progress=progress)
         self._ids = itertools.count()
         try:
