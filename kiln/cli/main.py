@@ -56,11 +56,20 @@ def _checked_llm(args: argparse.Namespace, lora: LoRARequest | None) -> Any:
     return llm
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    sampling_params(args)  # bad sampling values fail before the model loads
+def _start(args: argparse.Namespace) -> tuple[Any, LoRARequest | None, Any]:
+    """(LLM, adapter, sampling params) of generate and chat. Bad sampling values and a
+    bad constraint fail before the model loads; the params then take the model's
+    generation-config defaults for the flags not given."""
+    checked = sampling_params(args)
     lora = lora_request(args)
     llm = _checked_llm(args, lora)
-    params = sampling_params(args, llm.engine.default_sampling)
+    params = sampling_params(args, llm.engine.default_sampling,
+                             structured=checked.structured_outputs)
+    return llm, lora, params
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm, lora, params = _start(args)
     prompts: list[Any] = args.prompts
     if args.chat:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -120,10 +129,7 @@ def _stream(llm: Any, shown: list[str], prompts: list[Any], params: Any,
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    sampling_params(args)  # bad sampling values fail before the model loads
-    lora = lora_request(args)
-    llm = _checked_llm(args, lora)
-    params = sampling_params(args, llm.engine.default_sampling)
+    llm, lora, params = _start(args)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

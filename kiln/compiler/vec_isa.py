@@ -11,6 +11,7 @@ before. The compile cache's key is computed without this patch, so it does not m
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -27,6 +28,14 @@ logger = logging.getLogger(__name__)
 
 
 def _marker() -> Path | None:
+    key = _machine_key()
+    return None if key is None else default_cache_root() / "vec_isa" / f"{key}.ok"
+
+
+@functools.cache
+def _machine_key() -> str | None:
+    """What the probe's answer depends on, hashed; read once per process (the cache root
+    is not part of it: tests and launchers move that between engines)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
     from torch._inductor.cpu_vec_isa import x86_isa_checker
@@ -36,8 +45,7 @@ def _marker() -> Path | None:
     stat = os.stat(exe) if exe else None
     identity = [torch.__version__, cxx, exe, stat and (stat.st_size, stat.st_mtime_ns),
                 sorted(x86_isa_checker()), os.environ.get("ATEN_CPU_CAPABILITY")]
-    key = hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
-    return default_cache_root() / "vec_isa" / f"{key}.ok"
+    return hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
 
 
 def vec_isa_patch() -> dict[str, Any]:

@@ -196,14 +196,19 @@ def compilation_fields(args: argparse.Namespace) -> dict[str, Any]:
 CLI_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "max_tokens": 64}
 
 
-def sampling_params(args: argparse.Namespace,
-                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+_PARSE: Any = object()  # sampling_params: parse the constraint flags
+
+
+def sampling_params(args: argparse.Namespace, defaults: dict[str, Any] | None = None,
+                    structured: Any = _PARSE) -> SamplingParams:
     """The flags' SamplingParams: a flag given wins, then `defaults` (the engine's
-    generation config, `LLMEngine.default_sampling`), then CLI_DEFAULTS."""
+    generation config, `LLMEngine.default_sampling`), then CLI_DEFAULTS. `structured`: a
+    constraint already parsed from these flags (its grammar is compiled once)."""
     given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
              "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
              "max_tokens": args.max_tokens}
-    structured = structured_params(args)
+    if structured is _PARSE:
+        structured = structured_params(args)
     fields = with_defaults({**CLI_DEFAULTS, **(defaults or {})}, given,
                            constrained=structured is not None)
     return SamplingParams(

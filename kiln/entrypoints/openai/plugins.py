@@ -15,7 +15,7 @@ from kiln.entrypoints.io_processor import IOProcessor, as_prompts
 from kiln.entrypoints.openai import serving as sv
 from kiln.entrypoints.openai.errors import bad_request
 from kiln.plugins import ENDPOINT_PLUGINS_GROUP, call_plugins, discover
-from kiln.engine.outputs import RequestOutput
+from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -88,21 +88,21 @@ def add_process_route(app: FastAPI, ctx: sv.ServingContext,
         except ValueError as exc:
             raise bad_request(str(exc), "data") from None
         streams = await sv.start_requests(ctx, rid, prompts, [params] * len(prompts), "data")
-        outputs: list[Any] = [None] * len(prompts)
+        last: list[Any] = [None] * len(prompts)
+        choices: list[dict[int, sv.Choice]] = [{} for _ in prompts]
         async for i, delta in sv.merge(streams):  # the async engine streams deltas
-            outputs[i] = delta if outputs[i] is None else _extended(outputs[i], delta)
+            keep = last[i] is not None and not delta.prompt_logprobs  # they come once
+            last[i] = dataclasses.replace(delta, prompt_logprobs=last[i].prompt_logprobs) \
+                if keep else delta
+            for c in delta.outputs:
+                choices[i].setdefault(c.index, sv.Choice()).add(c)
+        outputs = [_final(out, samples) for out, samples in zip(last, choices)]
         return JSONResponse(processor.output_to_response(processor.post_process(outputs, rid)))
 
 
-def _extended(out: RequestOutput, delta: RequestOutput) -> RequestOutput:
-    """`out` with `delta`'s new text and tokens appended (what LLM.generate returns)."""
-    samples = {c.index: c for c in out.outputs}
-    for c in delta.outputs:
-        prev = samples.get(c.index)
-        samples[c.index] = c if prev is None else dataclasses.replace(
-            prev, text=prev.text + c.text, token_ids=prev.token_ids + c.token_ids,
-            logprobs=(prev.logprobs or []) + (c.logprobs or []) or None,
-            cumulative_logprob=c.cumulative_logprob, finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason)
-    return dataclasses.replace(delta, outputs=[samples[i] for i in sorted(samples)],
-                               prompt_logprobs=out.prompt_logprobs or delta.prompt_logprobs)
+def _final(last: RequestOutput, samples: dict[int, sv.Choice]) -> RequestOutput:
+    """What LLM.generate returns for the request: its last delta with each sample's
+    accumulated text and tokens."""
+    return dataclasses.replace(last, outputs=[
+        CompletionOutput(k, "".join(c.text), c.token_ids, None, c.logprobs or None,
+                         c.finish_reason, c.stop_reason) for k, c in sorted(samples.items())])
