@@ -39,10 +39,11 @@ def per_layer_us(context: int, rows: int, heads: int, kv_heads: int, head_size: 
     q = b.query.view(n, heads, head_size)
     k, v = b.key.view(n, kv_heads, head_size), b.value.view(n, kv_heads, head_size)
     out = torch.empty_like(q)
+    ids = [torch.tensor(layer) for layer in range(LAYERS)]
     best = float("inf")
     for _ in range(30):
         start = time.perf_counter()
-        for layer in range(LAYERS):
+        for layer in ids:
             torch.ops.kiln_cpu.unified_attention(q, k, v, out, layer)
         best = min(best, time.perf_counter() - start)
     md.deactivate()

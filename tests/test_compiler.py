@@ -6,6 +6,8 @@ here and the cache tests in test_compile_cache.py.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,8 +15,10 @@ from conftest import hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
 from kiln.attention.backend import AttentionMetadata
 from kiln.attention.forward_context import ForwardContext, set_forward_context
+from kiln.compiler.build import use_regions
 from kiln.compiler.counter import compilation_counter
 from kiln.compiler.piecewise import PiecewiseBackend, Range
+from kiln.config.compilation import CompilationConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -61,6 +65,40 @@ def test_whole_graph_when_splitting_ops_is_empty(four_layers, tmp_path):
             attention_backend="torch", max_model_len=128,
             max_num_batched_tokens=32,
             compilation={"backend": "eager", "splitting_ops": [], "cache_dir": str(tmp_path)})
+
+
+def _region_bodies(llm) -> tuple[int, int]:
+    """(calls of a compiled region, distinct region bodies) in the traced graph."""
+    piece = llm.engine.runner.compile_backend.split_gm._modules["submod_0"]
+    calls = [n for n in piece.graph.nodes if "invoke_subgraph" in str(n.target)]
+    return len(calls), len({n.args[0].target for n in calls})
+
+
+@pytest.mark.parametrize("regions", [True, False])
+def test_layers_share_one_compiled_region_on_the_native_attention_path(
+        four_layers, tmp_path, cpu_kernels_loaded, regions):
+    path, hf = four_layers
+    llm = LLM(str(path), optimization_level=2, progress=False, dtype="float32",
+              attention_backend="cpu", max_model_len=128, max_num_batched_tokens=64,
+              compilation={"backend": "eager", "cache_dir": str(tmp_path),
+                           "compile_regions": regions})
+    calls, bodies = _region_bodies(llm)
+    # Every layer calls the one traced body (compiled once); unrolled, no region at all.
+    assert (calls, bodies) == ((4, 1) if regions else (0, 0))
+    prompts = random_prompts(4, [3, 21, 1, 40])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_regions_only_where_the_graph_is_one_piece_with_python_glue():
+    on = CompilationConfig(compile_regions=True, splitting_ops=["kiln::unified_attention"])
+    assert use_regions(on, native_attention=True)
+    assert not use_regions(on, native_attention=False)  # split, or an int layer index
+    assert not use_regions(dataclasses.replace(on, compile_regions=False), True)
+    assert not use_regions(dataclasses.replace(on, inductor_options={"cpp_wrapper": True}),
+                           True)
+    assert not use_regions(dataclasses.replace(
+        on, splitting_ops=["kiln_cpu::unified_attention"]), True)
 
 
 def test_dispatch_exact_size_wins_then_range_else_error():

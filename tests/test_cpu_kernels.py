@@ -130,7 +130,7 @@ def test_cpu_backend_is_the_cpu_default_and_falls_back(monkeypatch, caplog):
 def test_native_attention_is_a_noop_without_a_batch():
     q = torch.randn(3, 4, 16)
     out = torch.full_like(q, 7.0)
-    torch.ops.kiln_cpu.unified_attention(q, q[:, :2], q[:, :2], out, 0)
+    torch.ops.kiln_cpu.unified_attention(q, q[:, :2], q[:, :2], out, torch.tensor(0))
     assert (out == 7.0).all()
 
 

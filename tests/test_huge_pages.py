@@ -69,6 +69,9 @@ def test_weights_move_to_one_huge_page_arena_keeping_values_and_objects():
     assert m.head.weight is m.embed.weight
     assert m.embed.weight.data_ptr() != ptrs["embed.weight"]
     assert m.proj.weight.data_ptr() != ptrs["proj.weight"]
+    # One mapping, yet a storage per weight: a compiled region's inputs may not alias.
+    assert (m.embed.weight.untyped_storage().data_ptr()
+            != m.proj.weight.untyped_storage().data_ptr())
     # Too small, or sharing a storage some tensor views only in part: not moved.
     for name in ("small.weight", "whole", "part", "big", "tiny_view"):
         assert objects[name].data_ptr() == ptrs[name], name

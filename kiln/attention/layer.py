@@ -21,8 +21,18 @@ class Attention(nn.Module):
         self.spec = AttentionLayerSpec(num_heads, num_kv_heads, head_size, scale,
                                        sliding_window, logits_soft_cap)
         self.layer_index = layer_index
+        # The native op's copy of the index, a graph input rather than a constant, so
+        # every decoder layer traces to the same code (regional compilation). It never
+        # leaves the CPU: the native op reads it on the host.
+        self.register_buffer("layer_id", torch.tensor(layer_index), persistent=False)
+        self.init_buffers()
         # Set by the runner from the chosen backend before tracing (`native_layer_op`).
         self.native_op = False
+
+    def init_buffers(self) -> None:
+        """Models built on `meta` call this once they have real storage."""
+        if self.layer_id.device.type != "meta":
+            self.layer_id.fill_(self.layer_index)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, heads * hd], k/v: [T, kv_heads * hd] -> [T, heads * hd]
@@ -31,7 +41,7 @@ class Attention(nn.Module):
             out3 = q.new_empty((t, s.num_heads, s.head_size))
             torch.ops.kiln_cpu.unified_attention(
                 q.view(t, s.num_heads, s.head_size), k.view(t, s.num_kv_heads, s.head_size),
-                v.view(t, s.num_kv_heads, s.head_size), out3, self.layer_index)
+                v.view(t, s.num_kv_heads, s.head_size), out3, self.layer_id)
             return out3.view(t, s.num_heads * s.head_size)
         out = torch.empty_like(q)
         torch.ops.kiln.unified_attention.default(q, k, v, out, self.layer_index)

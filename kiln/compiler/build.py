@@ -17,7 +17,7 @@ from kiln.compiler.adaptors import make_adaptor
 from kiln.compiler.backend import KilnBackend
 from kiln.compiler.cache import CompileCache, default_cache_root
 from kiln.compiler.piecewise import Range
-from kiln.compiler.trace_once import TraceOnceModel
+from kiln.compiler.trace_once import DYNAMO_CONFIG, TraceOnceModel
 from kiln.config.compilation import GRAPH_FIELDS, CompilationConfig
 from kiln.distributed.parallel_state import get_tp_group
 from kiln.ops import cpu_kernels
@@ -65,7 +65,7 @@ def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
     return {"kiln_version": __version__, "model_config": model_config, "dtype": str(dtype),
             "compilation": compilation, "shapes": [str(s) for s in shapes],
             "device": _device_key(device), "torch": torch.__version__,
-            "compiler": adaptor_hash, "source": source_hash(model),
+            "compiler": adaptor_hash, "dynamo": DYNAMO_CONFIG, "source": source_hash(model),
             "cpu_kernels": cpu_kernels.loaded_signature(),
             "linear_plan": weight_plan,
             "attention_backend": attention_backend,
@@ -98,6 +98,23 @@ def host_inductor_options(options: dict[str, Any], device: torch.device) -> dict
             or torch.get_num_threads() > SERIAL_FUSED_KERNELS_MAX_THREADS):
         return dict(options)
     return {**options, "cpp.threads": 1}
+
+
+def use_regions(cc: CompilationConfig, native_attention: bool) -> bool:
+    """Regional compilation where it can apply: the graph is not split (a split cannot cut
+    inside a region), so every attention layer calls the native CPU op, which takes its
+    layer as a tensor (the Python op takes an int, a constant that differs per layer);
+    and Inductor writes Python glue (its cpp_wrapper cannot call a region: -O3 on a CPU
+    compiles the layers unrolled)."""
+    if not cc.compile_regions:
+        return False
+    split = any(op.startswith("kiln_cpu::") for op in cc.splitting_ops or [])
+    cpp_wrapper = bool((cc.inductor_options or {}).get("cpp_wrapper"))
+    if not native_attention or split or cpp_wrapper:
+        logger.info("compile_regions: off (%s)", "attention is split or takes its layer as "
+                    "an int" if not cpp_wrapper else "Inductor's cpp_wrapper")
+        return False
+    return True
 
 
 def compile_model(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,

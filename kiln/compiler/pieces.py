@@ -42,12 +42,21 @@ def graph_signature(gm: fx.GraphModule, args: Sequence[Any]) -> str:
         if node.op == "placeholder":
             target = ""  # its name differs per layer; its position and metadata do not
         elif node.op == "get_attr":
-            target = f"attr@{id(_attr(gm, node.target))}"  # distinct constants never merge
+            target = _attr_key(_attr(gm, node.target))
         else:
             target = node.target
         lines.append(f"{node.op} {_name(target)} {rendered}")
     lines.extend(_describe(a) for a in args)
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _attr_key(obj: Any) -> str:
+    """A compiled region's body by its structure (the same code in every process, so its
+    artifact keeps its name); any other attribute by identity (distinct constants never
+    merge)."""
+    if isinstance(obj, fx.GraphModule):
+        return f"graph@{graph_signature(obj, ())}"
+    return f"attr@{id(obj)}"
 
 
 def _attr(gm: fx.GraphModule, path: str) -> Any:

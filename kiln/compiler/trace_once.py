@@ -13,6 +13,12 @@ import torch
 from kiln.compiler.counter import compilation_counter
 
 
+# Float attributes of modules (a norm's eps) are constants of the trace, as they are of
+# the model, rather than symbolic inputs (torch's default): a compiled region takes only
+# tensors and ints, and a constant costs nothing per call. Part of the compile-cache key.
+DYNAMO_CONFIG = {"specialize_float": True}
+
+
 def _no_guards() -> Callable[..., Any]:
     fn = getattr(torch.compiler, "skip_all_guards_unsafe", None)
     return fn if fn is not None else (lambda guards: [False] * len(guards))
@@ -53,6 +59,7 @@ class TraceOnceModel:
             torch._dynamo.mark_dynamic(positions, 0)
             self.backend.current_inputs = (input_ids, positions)
             self.traced = True
-        out = self._compiled(input_ids, positions)
+        with torch._dynamo.config.patch(**DYNAMO_CONFIG):
+            out = self._compiled(input_ids, positions)
         self._direct = self.backend.direct
         return out

@@ -121,6 +121,9 @@ class CompilationConfig:
     splitting_ops: list[str] | None = None  # None: the attention ops; []: one whole graph
     compile_sizes: list[int] | None = None  # static-shape builds, exact token counts
     compile_ranges_endpoints: list[int] | None = None  # symbolic builds over ranges
+    # Compile one decoder layer and reuse it for all (`torch.compiler.nested_compile_region`;
+    # kiln.compiler.build.use_regions says where it applies). None: the level's default.
+    compile_regions: bool | None = None
     use_cache: bool = True
     cache_dir: str | None = None  # None: $KILN_CACHE_DIR, else $KILN_HOME/compile_cache
     inductor_options: dict | None = None  # torch._inductor.config overrides

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln.models.layers import DecoderLayers
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear
 from kiln.models.llama import LlamaAttention, LlamaForCausalLM
 from kiln.models.model_config import ModelConfig
@@ -85,13 +86,12 @@ class GemmaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = DecoderLayers(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(positions, h)
+        h = self.layers(positions, h)
         return self.norm(h)
 
 

@@ -129,3 +129,34 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
+
+
+# A model's layers differ only in their weights, so Dynamo traces one layer and Inductor
+# compiles it once; every layer then calls the same compiled code. A layer whose Python
+# differs (a MoE layer among dense ones, another rope type) is traced again as its own
+# region; the bound is high enough that this never fails, it only compiles more.
+@torch.compiler.nested_compile_region(max_reuse_entries=1024)
+def _layer_region(layer: nn.Module, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return layer(positions, h)
+
+
+class DecoderLayers(nn.ModuleList):
+    """The decoder stack, `forward(positions, h) -> h`.
+
+    `regional` (set by the compiler before tracing; a no-op in eager mode) makes each
+    layer's call a nested compile region. It is only set where the graph is not split at
+    attention (a split cannot cut inside a region) and attention takes its layer as a
+    tensor (an int would be a per-layer constant, and no two layers would match)."""
+
+    regional = False
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            h = _layer_region(layer, positions, h) if self.regional else layer(positions, h)
+        return h
+
+
+def set_regions(model: nn.Module, on: bool) -> None:
+    for module in model.modules():
+        if isinstance(module, DecoderLayers):
+            module.regional = on

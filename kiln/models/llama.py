@@ -17,7 +17,7 @@ from torch import nn
 
 from kiln.attention.layer import Attention
 from kiln.distributed.parallel_state import tp_size
-from kiln.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.models.layers import DecoderLayers, RMSNorm, RotaryEmbedding, SiluAndMul
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
 from kiln.models.model_config import ModelConfig
 from kiln.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -102,13 +102,12 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = DecoderLayers(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, H]
-        for layer in self.layers:
-            h = layer(positions, h)
+        h = self.layers(positions, h)
         return self.norm(h)
 
 

@@ -9,9 +9,10 @@ weights, interleaved in one process): 3.54 -> 3.00 ms per step's linears.
 Linux grants huge pages to private anonymous memory when
 /sys/kernel/mm/transparent_hugepage/enabled is `always`, or `madvise` and the range was
 advised (`MADV_HUGEPAGE`) before its first touch. So the weights are copied once, after
-loading and packing, into one advised arena (a mapping of its own), and each tensor is
-re-pointed at its copy in place (`Tensor.set_`): every holder of the tensor object
-(modules, the compiled graph's input recipe) sees the new memory. Elsewhere (other kernels, THP `never`) nothing moves.
+loading and packing, into one advised arena (a mapping of its own; each weight a storage
+of its own within it), and each tensor is re-pointed at its copy in place
+(`Tensor.set_`): every holder of the tensor object (modules, the compiled graph's input
+recipe) sees the new memory. Elsewhere (other kernels, THP `never`) nothing moves.
 """
 from __future__ import annotations
 
@@ -49,20 +50,26 @@ def available() -> bool:
     return thp_mode() in ("always", "madvise")
 
 
-def huge_empty(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 CPU tensor of `nbytes` starting on a 2 MiB boundary, its
-    whole 2 MiB pages advised for huge pages before anything touches them. The memory is
-    a fresh private anonymous mapping of its own: memory from malloc may be pages already
-    touched (glibc serves blocks below its adaptive mmap threshold, up to 32 MiB, from
-    its heap), which the kernel does not back with huge pages at fault time. The tensor
-    keeps the mapping alive; the slice keeps the over-allocated base alive."""
+def _advised_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A fresh private anonymous mapping with room for `nbytes` from a 2 MiB boundary, and
+    that boundary's offset; its whole 2 MiB pages advised for huge pages before anything
+    touches them. Memory from malloc may be pages already touched (glibc serves blocks
+    below its adaptive mmap threshold, up to 32 MiB, from its heap), which the kernel does
+    not back with huge pages at fault time."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    base = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -base.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page: madvise wants one
+    address = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    start = -address % HUGE_PAGE  # a multiple of the 4 KiB page: madvise wants one
     whole = nbytes // HUGE_PAGE * HUGE_PAGE
     if whole and available():
         mapping.madvise(mmap.MADV_HUGEPAGE, start, whole)
-    return base[start:start + nbytes]
+    return mapping, start
+
+
+def huge_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 CPU tensor of `nbytes` starting on a 2 MiB boundary, on
+    huge pages where the kernel grants them. The tensor keeps its mapping alive."""
+    mapping, start = _advised_mapping(nbytes)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
 
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -105,16 +112,20 @@ def move_weights_to_huge_pages(model: nn.Module, min_bytes: int = 64 << 10) -> i
     sizes = [-(-g[0].untyped_storage().nbytes() // _ALIGN) * _ALIGN for g in groups]
     if not groups:
         return 0
-    arena = huge_empty(sum(sizes))
-    offset = 0
+    mapping, start = _advised_mapping(sum(sizes))
+    offset = start
     for group, size in zip(groups, sizes):
         first = group[0]
         n = first.untyped_storage().nbytes()
-        arena[offset:offset + n].copy_(first.detach().reshape(-1).view(torch.uint8))
+        # A storage of its own over its part of the one mapping: weights stay distinct
+        # tensors to the compiler (a region's inputs may not alias one another), and
+        # the mapping lives as long as any of them.
+        copy = torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=offset)
+        copy.copy_(first.detach().reshape(-1).view(torch.uint8))
         for t in group:  # each whole-storage tensor of this storage, same bytes
-            t.set_(arena.untyped_storage(), (arena.storage_offset() + offset) //
-                   t.element_size(), t.shape, t.stride())
+            t.set_(copy.untyped_storage(), 0, t.shape, t.stride())
         offset += size
-    logger.info("%.0f MiB of weights on transparent huge pages (THP %s)", offset / 2**20,
+    moved = offset - start
+    logger.info("%.0f MiB of weights on transparent huge pages (THP %s)", moved / 2**20,
                 thp_mode())
-    return offset
+    return moved

@@ -21,7 +21,7 @@ import torch
 from kiln.attention.backend import AttentionMetadata
 from kiln.attention.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.attention.selector import select_backend
-from kiln.compiler.build import compile_model
+from kiln.compiler.build import compile_model, use_regions
 from kiln.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 from kiln.config.kv_transfer import KVTransferConfig
 from kiln.config.lora import LoRAConfig
@@ -30,6 +30,7 @@ from kiln.config.speculative import SpeculativeConfig
 from kiln.kv_transfer.base import KVConnectorRole
 from kiln.kv_transfer.registry import connector_for
 from kiln.lora.manager import LoRAManager
+from kiln.models.layers import set_regions
 from kiln.models.model_config import ModelConfig
 from kiln.models.packing import plan_signature
 from kiln.runner.buffers import CpuGpuBuffer
@@ -129,6 +130,8 @@ class ModelRunner:
         self.compile_backend = None
         if compilation is not None and compilation.mode == CompilationMode.PIECEWISE:
             with self.phases("compile"):  # trace, then compile or load every size
+                set_regions(self.model, use_regions(compilation,
+                                                    self.attn_backend_cls.native_layer_op))
                 self.forward, self.compile_backend = compile_model(
                     self.model, compilation, self.dtype, self.device,
                     self.limits.max_num_batched_tokens, progress,

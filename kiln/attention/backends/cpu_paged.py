@@ -141,6 +141,6 @@ class CpuPagedBackend(AttentionBackend):
                 query.view(t, s.num_heads, s.head_size),
                 key.view(t, s.num_kv_heads, s.head_size),
                 value.view(t, s.num_kv_heads, s.head_size),
-                output.view(t, s.num_heads, s.head_size), 0)
+                output.view(t, s.num_heads, s.head_size), torch.tensor(0))
         finally:
             metadata.deactivate()

@@ -283,8 +283,12 @@ void set_batch(std::vector<at::Tensor> kv_caches, std::vector<double> scales,
 void clear_batch() { batch = Batch{}; }
 
 void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       at::Tensor out, int64_t layer) {
+                       at::Tensor out, const at::Tensor& layer_index) {
   if (!batch.active) return;
+  TORCH_CHECK(layer_index.numel() == 1 && layer_index.scalar_type() == at::kLong &&
+                  layer_index.device().is_cpu(),
+              "unified_attention: layer_index must be one int64 on the CPU");
+  const int64_t layer = *layer_index.data_ptr<int64_t>();
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(batch.kv_caches.size()),
               "unified_attention: no KV cache for layer ", layer);
   const double scale = batch.scales[layer], softcap = batch.softcaps[layer];
@@ -325,8 +329,11 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
         "int num_tokens) -> ()", &set_batch);
   m.def("clear_batch() -> ()", &clear_batch);
   // The scale comes with the batch (per layer), not as an argument: Dynamo may turn a
-  // float module attribute into a symbolic input, which a C++ op cannot take.
-  m.def("unified_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer) -> ()");
+  // float module attribute into a symbolic input, which a C++ op cannot take. The layer
+  // index is a one-element tensor (a buffer of the layer), not an int: an int would be a
+  // constant in the graph, and the 30 decoder layers could not share one compiled region.
+  m.def("unified_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, "
+        "Tensor layer_index) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
