@@ -153,3 +153,30 @@ def test_the_unity_build_compiles_every_source_once():
     assert sorted(names) == sorted(src.name for src in SOURCES)
     # Their AVX2 panels share file-local names: one unit each.
     assert not any({"linear_bf16.cpp", "linear_quant.cpp"} <= set(g) for g in UNITY_GROUPS)
+
+
+def test_a_failed_build_is_tried_once_and_a_background_start_only_when_due(
+        monkeypatch, tmp_path):
+    calls = []
+
+    def failing_load(root, progress):
+        calls.append(root)
+        raise RuntimeError("g++ exploded")
+
+    monkeypatch.setattr(cpu_kernels, "_load", failing_load)
+    monkeypatch.setitem(cpu_kernels._state, "signature", None)
+    monkeypatch.setitem(cpu_kernels._state, "failed", None)
+    monkeypatch.setattr(cpu_kernels, "host_supports", lambda: None)
+    assert not cpu_kernels.ensure_loaded(tmp_path) and not cpu_kernels.ensure_loaded(tmp_path)
+    assert len(calls) == 1 and "g++ exploded" in cpu_kernels.unavailable_reason()
+    # A background build only with cores to spare, and only when nothing is built yet.
+    monkeypatch.setattr(cpu_kernels, "_cores", lambda: len(cpu_kernels.UNITY_GROUPS))
+    assert cpu_kernels.start_loading(tmp_path / "fresh") is None
+    monkeypatch.setattr(cpu_kernels, "_cores", lambda: 16)
+    built = cpu_kernels._target(tmp_path / "built")
+    built.parent.mkdir(parents=True)
+    built.touch()
+    assert cpu_kernels.start_loading(tmp_path / "built") is None
+    thread = cpu_kernels.start_loading(tmp_path / "fresh")
+    thread.join(timeout=30)
+    assert not thread.is_alive() and calls[-1] == tmp_path / "fresh"

@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from kiln.compiler.cache import default_cache_root
 
 logger = logging.getLogger(__name__)
+_probe: list[threading.Thread] = []  # the background probe of this process, if any
 
 
 def _marker() -> Path | None:
@@ -48,8 +50,25 @@ def _machine_key() -> str | None:
     return hashlib.sha256(repr(identity).encode()).hexdigest()[:16]
 
 
+def probe_in_background() -> None:
+    """On a machine with no recorded answer, run Inductor's probe (a few seconds of g++
+    there) on a thread while the engine converts, loads and traces; `vec_isa_patch`,
+    called before any CPU code is compiled, waits for it. Inductor caches the answer in
+    the process (`valid_vec_isa_list`), so its own call then probes nothing."""
+    marker = _marker()
+    if _probe or marker is None or marker.is_file():
+        return
+    from torch._inductor import cpu_vec_isa
+
+    _probe.append(threading.Thread(target=cpu_vec_isa.valid_vec_isa_list,
+                                   name="kiln-vec-isa-probe", daemon=True))
+    _probe[0].start()
+
+
 def vec_isa_patch() -> dict[str, Any]:
     """Inductor config to apply while compiling or loading CPU code."""
+    for thread in _probe:
+        thread.join()
     marker = _marker()
     return {"cpp.vec_isa_ok": True} if marker is not None and marker.is_file() else {}
 

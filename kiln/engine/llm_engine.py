@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.compiler.cache import default_cache_root
+from kiln.compiler.vec_isa import probe_in_background
 from kiln.config.engine import EngineConfig
 from kiln.engine.detokenizer import token_namer
 from kiln.engine.output_processor import OutputProcessor, sample_ids
@@ -63,6 +64,10 @@ class LLMEngine:
         self.config = config
         self.phases = phases = Phases()  # where start-up's seconds go
         load_general_plugins()  # plugins register models before any is resolved
+        if config.device == "cpu":  # a first start's g++ work overlaps what comes next
+            cpu_kernels.start_loading(default_cache_root())
+            if config.compilation.mode:
+                probe_in_background()
         with phases("model files"):  # a GGUF file's one-time conversion lands here
             path = resolve_model(config.model, progress=progress)
         with phases("model config"):
@@ -84,7 +89,7 @@ class LLMEngine:
                              "blocks are not sharded yet); pass --quantization none to "
                              "shard the dequantized weights, or -tp 1")
         if config.device == "cpu":
-            with phases("kernels"):  # built once per machine, then only loaded
+            with phases("kernels"):  # built once per machine (then loaded), or waited for
                 cpu_kernels.ensure_loaded(default_cache_root(), progress)
         self.dtype = resolve_dtype(config, mc)
         self.max_model_len = resolve_max_model_len(config, mc)

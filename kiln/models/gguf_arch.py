@@ -86,7 +86,7 @@ class Meta:
         if "token_embd.weight" in self.tensors:
             return int(self.tensors["token_embd.weight"].shape[-1])  # innermost-first
         tokens = self.reader.get_field("tokenizer.ggml.tokens")
-        return len(tokens.data) if tokens is not None else int(self.get("vocab_size"))
+        return len(tokens.contents()) if tokens is not None else int(self.get("vocab_size"))
 
     def rope_parameters(self) -> dict[str, Any]:
         """transformers 5 keeps rope_theta and any scaling together in `rope_parameters`."""

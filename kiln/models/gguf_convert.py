@@ -25,6 +25,7 @@ from filelock import FileLock
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from kiln.models.gguf_index import open_gguf
 from kiln.models.gguf_arch import (ARCHITECTURES, EXPERT_STACKS, GGUFArch, Meta, architecture,
                                    hf_name, unpermute_rope_rows)
 
@@ -64,7 +65,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
 
 def _convert_into(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
     try:
-        reader = gguf.GGUFReader(gguf_path)
+        reader = open_gguf(gguf_path)
     except ValueError as error:  # e.g. "GGUF magic invalid"
         raise ValueError(f"{gguf_path}: not a readable GGUF file ({error})") from error
     arch = architecture(reader, gguf_path)

@@ -126,3 +126,13 @@ class GGUFIndex:
         return ReaderTensor(name=name, tensor_type=kind, shape=dims, n_elements=n_elems,
                             n_bytes=n_bytes, data_offset=offset, data=data.reshape(shape),
                             field=None)
+
+
+def open_gguf(path: str | Path) -> GGUFIndex | gguf.GGUFReader:
+    """The file's tensor table and metadata: `GGUFIndex` (0.09 s for the embedded model
+    where gguf.GGUFReader takes 2.2 s, its 49k-token vocabulary); a big-endian file falls
+    back to GGUFReader. Both give `tensors`, `fields` and `get_field(key).contents()`."""
+    try:
+        return GGUFIndex(path)
+    except ValueError:
+        return gguf.GGUFReader(path)
