@@ -6,7 +6,10 @@ model and its decode speed at batch 1 and with 32 requests, interleaved.
 
 Each variant compiles into a fresh compile cache and Inductor cache (its `compile` phase
 is the cold compile); decode rounds then alternate between the two engines, best round
-reported, with the ratio regions / unrolled. Greedy outputs must be identical.
+reported, with the ratio regions / unrolled, and whether the greedy outputs are
+identical: in bfloat16 they may not be, since a region boundary moves where Inductor
+rounds (the residual add of one layer no longer fuses into the next layer's norm), as
+-O0 and -O2 differ too; float32 parity with transformers holds at every level (tests).
 """
 from __future__ import annotations
 

@@ -47,12 +47,17 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0) -> transformers.PreTra
 @pytest.fixture(scope="session")
 def cpu_kernels_loaded() -> None:
     """kiln's C++ CPU kernels, built (once per cache) and loaded; skips where this host
-    cannot have them (no AVX2 or no compiler), where the engine falls back too."""
+    cannot have them (no AVX2 or no compiler), where the engine falls back too. A build
+    that fails on a host that can have them fails the tests: the engine would fall back
+    silently, and a skipped suite would hide it."""
     from kiln.compiler.cache import default_cache_root
     from kiln.ops import cpu_kernels
 
     if not cpu_kernels.ensure_loaded(default_cache_root()):
-        pytest.skip(f"kiln's CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+        reason = cpu_kernels.unavailable_reason()
+        if cpu_kernels.host_supports() is None:
+            pytest.fail(f"kiln's CPU kernels failed to build: {reason}")
+        pytest.skip(f"kiln's CPU kernels are unavailable: {reason}")
 
 
 @pytest.fixture(scope="session")

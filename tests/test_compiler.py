@@ -97,8 +97,9 @@ def test_regions_only_where_the_graph_is_one_piece_with_python_glue():
     assert not use_regions(dataclasses.replace(on, compile_regions=False), True)
     assert not use_regions(dataclasses.replace(on, inductor_options={"cpp_wrapper": True}),
                            True)
-    assert not use_regions(dataclasses.replace(
-        on, splitting_ops=["kiln_cpu::unified_attention"]), True)
+    for ops in (["kiln_cpu::unified_attention"], ["kiln::all_reduce"]):
+        assert not use_regions(dataclasses.replace(on, splitting_ops=ops), True)
+    assert use_regions(dataclasses.replace(on, splitting_ops=[]), True)
 
 
 def test_dispatch_exact_size_wins_then_range_else_error():

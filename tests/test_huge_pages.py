@@ -99,3 +99,11 @@ def test_nothing_moves_without_transparent_huge_pages(monkeypatch):
     ptr = m.weight.data_ptr()
     assert move_weights_to_huge_pages(m) == 0 and m.weight.data_ptr() == ptr
     assert not huge_zeros((4, 4), torch.float32).any()
+
+
+def test_a_kv_cache_larger_than_available_memory_fails_at_start_up():
+    from kiln.runner.kv_alloc import check_fits_in_memory
+
+    check_fits_in_memory(1 << 20)
+    with pytest.raises(ValueError, match="lower kv_cache_memory"):
+        check_fits_in_memory(1 << 50)

@@ -97,7 +97,7 @@ def test_levels_differing_only_in_graphs_share_a_cache_key():
         c = cfg(level, **comp).compilation
         return cache_factors(_Model(), c, torch.float32, torch.device("cpu"), [], "h")
     assert key(1) == key(2) == key(2, graph_backend="cpu_test") \
-        == key(3, cudagraph_capture_sizes=[1, 2], inductor_options={}, compile_regions=True)
+        == key(3, cudagraph_capture_sizes=[1, 2], inductor_options={})
     assert key(2, compile_regions=False) != key(2)  # regions change the compiled code
     assert key(1) != key(1, compile_sizes=[4])
     # -O3's cpp_wrapper changes the generated code, so it is a separate entry on the CPU.

@@ -18,7 +18,7 @@ from kiln.compiler.backend import KilnBackend
 from kiln.compiler.cache import CompileCache, default_cache_root
 from kiln.compiler.piecewise import Range
 from kiln.compiler.trace_once import DYNAMO_CONFIG, TraceOnceModel
-from kiln.config.compilation import GRAPH_FIELDS, CompilationConfig
+from kiln.config.compilation import GRAPH_FIELDS, SPLITTING_OPS, CompilationConfig
 from kiln.distributed.parallel_state import get_tp_group
 from kiln.ops import cpu_kernels
 from kiln.platforms import device_name
@@ -103,16 +103,16 @@ def host_inductor_options(options: dict[str, Any], device: torch.device) -> dict
 def use_regions(cc: CompilationConfig, native_attention: bool) -> bool:
     """Regional compilation where it can apply: the graph is not split (a split cannot cut
     inside a region), so every attention layer calls the native CPU op, which takes its
-    layer as a tensor (the Python op takes an int, a constant that differs per layer);
-    and Inductor writes Python glue (its cpp_wrapper cannot call a region: -O3 on a CPU
-    compiles the layers unrolled)."""
+    layer as a tensor (the Python op takes an int, a constant that differs per layer),
+    and no other splitting op was asked for; and Inductor writes Python glue (its
+    cpp_wrapper cannot call a region: -O3 on a CPU compiles the layers unrolled)."""
     if not cc.compile_regions:
         return False
-    split = any(op.startswith("kiln_cpu::") for op in cc.splitting_ops or [])
+    split = any(op not in SPLITTING_OPS for op in cc.splitting_ops or [])
     cpp_wrapper = bool((cc.inductor_options or {}).get("cpp_wrapper"))
     if not native_attention or split or cpp_wrapper:
-        logger.info("compile_regions: off (%s)", "attention is split or takes its layer as "
-                    "an int" if not cpp_wrapper else "Inductor's cpp_wrapper")
+        logger.info("compile_regions: off (%s)", "Inductor's cpp_wrapper" if cpp_wrapper
+                    else "the graph is split, or attention takes its layer as an int")
         return False
     return True
 

@@ -27,6 +27,7 @@ from kiln.compiler.cache import default_cache_root
 
 logger = logging.getLogger(__name__)
 _probe: list[threading.Thread] = []  # the background probe of this process, if any
+_probe_lock = threading.Lock()
 
 
 def _marker() -> Path | None:
@@ -56,13 +57,17 @@ def probe_in_background() -> None:
     called before any CPU code is compiled, waits for it. Inductor caches the answer in
     the process (`valid_vec_isa_list`), so its own call then probes nothing."""
     marker = _marker()
-    if _probe or marker is None or marker.is_file():
+    if marker is None or marker.is_file():
         return
     from torch._inductor import cpu_vec_isa
 
-    _probe.append(threading.Thread(target=cpu_vec_isa.valid_vec_isa_list,
-                                   name="kiln-vec-isa-probe", daemon=True))
-    _probe[0].start()
+    with _probe_lock:  # engines built on several threads start one probe
+        if _probe:
+            return
+        thread = threading.Thread(target=cpu_vec_isa.valid_vec_isa_list,
+                                  name="kiln-vec-isa-probe", daemon=True)
+        thread.start()
+        _probe.append(thread)  # only a started thread: vec_isa_patch joins it
 
 
 def vec_isa_patch() -> dict[str, Any]:

@@ -9,7 +9,7 @@ still left None, so anything a user sets explicitly wins.
 | compile ranges           | one range 1..max_num_batched_tokens at every level          |
 | Inductor options (CUDA)  | -    | -         | -                  | max_autotune, coord. descent |
 | Inductor options (CPU)   | -    | -         | -                  | cpp_wrapper               |
-| compile_regions          | -    | on        | on                 | off                       |
+| compile_regions (CPU)    | -    | on        | on                 | off: cpp_wrapper          |
 
 On a device without CUDA graphs the graph modes then lower to NONE (one info line), so on
 the CPU -O1 and -O2 build the same code and share compile-cache entries. At every
@@ -72,29 +72,27 @@ def _o3_compile_sizes(c: CompilationConfig, device: str) -> list[int]:
     return [s for s in c.cudagraph_capture_sizes or [] if s <= _O3_CUDA_STATIC_MAX]
 
 
-_COMMON: dict[str, Default] = {"compile_ranges_endpoints": []}
+# compile_regions is on at every level: compiler.build.use_regions turns it off where it
+# cannot apply (a split graph, CUDA; Inductor's cpp_wrapper, -O3 on the CPU), so -O3 with
+# its Inductor options cleared builds -O2's code and shares its cache entries.
+_COMMON: dict[str, Default] = {"compile_ranges_endpoints": [], "compile_regions": True}
 
 LEVELS: dict[OptimizationLevel, dict[str, Default]] = {
     OptimizationLevel.O0: {"mode": CompilationMode.NONE, "cudagraph_mode": CUDAGraphMode.NONE,
-                           "compile_sizes": [], "inductor_options": {},
-                           "compile_regions": False},
+                           "compile_sizes": [], "inductor_options": {}},
     OptimizationLevel.O1: {"mode": CompilationMode.PIECEWISE,
                            "cudagraph_mode": CUDAGraphMode.PIECEWISE,
-                           "compile_sizes": [], "inductor_options": {},
-                           "compile_regions": True},
+                           "compile_sizes": [], "inductor_options": {}},
     OptimizationLevel.O2: {"mode": CompilationMode.PIECEWISE,
                            "cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
-                           "compile_sizes": [], "inductor_options": {},
-                           "compile_regions": True},
+                           "compile_sizes": [], "inductor_options": {}},
     OptimizationLevel.O3: {"mode": CompilationMode.PIECEWISE,
                            "cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
                            "compile_sizes": _o3_compile_sizes,
                            "inductor_options": PerDevice(
                                cpu={"cpp_wrapper": True},
                                cuda={"max_autotune": True,
-                                             "coordinate_descent_tuning": True}),
-                           # Inductor's cpp_wrapper cannot emit a region's call.
-                           "compile_regions": False},
+                                             "coordinate_descent_tuning": True})},
 }
 
 

@@ -66,7 +66,9 @@ class LLMEngine:
         load_general_plugins()  # plugins register models before any is resolved
         if config.device == "cpu":  # a first start's g++ work overlaps what comes next
             cpu_kernels.start_loading(default_cache_root())
-            if config.compilation.mode:
+            in_process = config.tensor_parallel_size == 1 or \
+                config.distributed_executor_backend == "external_launcher"
+            if config.compilation.mode and in_process:  # mp workers probe their own
                 probe_in_background()
         with phases("model files"):  # a GGUF file's one-time conversion lands here
             path = resolve_model(config.model, progress=progress)

@@ -1,9 +1,10 @@
 """Build and load kiln's C++ CPU kernels (`torch.ops.kiln_cpu.*`) once per machine.
 
 The kernels are compiled with the host's g++ the first time an engine starts on a CPU
-with AVX2 or AVX512 (about 15 s on two cores, shown as one log line: the sources include
-ATen and torch/library.h rather than torch/extension.h, which measured 39 s of g++ per
-file against 12 s, and are built as two unity units, `UNITY_GROUPS`), for the host's ISA
+with AVX2 or AVX512 (about 15 s on two cores, shown as one progress line: the sources
+include what they use of ATen and torch/library.h rather than torch/extension.h, which
+measured 39 s of g++ per file against 12 s, and are built as two unity units,
+`UNITY_GROUPS`), for the host's ISA
 class
 (`kiln.platforms.cpu.isa_class`: AMX, AVX512-BF16, plain AVX512 or AVX2; see csrc/simd.h), and the shared
 object is kept in the kiln cache directory under a hash of the source, the flags and the
@@ -190,14 +191,16 @@ def _load(cache_root: Path, progress: bool) -> None:
 
 
 # The unity build's translation units: each #includes its sources in this order. Each
-# .cpp costs about 7 s of g++ on ATen's headers alone, so eight files took 37 s on two
-# cores where these two units take 16-20 s (Zen 4), and on one core about 30 s. The
-# grouping is fixed, not per core count, because sources share file-local names across
-# units: linear_bf16.cpp's AVX2 panel (PanelFn, kPanel) and linear_quant.cpp's must never
-# meet in one unit. A new source goes into the unit it compiles in on every ISA class.
-UNITY_GROUPS = (("linear_quant_x8.cpp", "linear_quant.cpp", "lora.cpp", "greedy.cpp"),
-                ("paged_attention.cpp", "linear_bf16.cpp", "linear_quant_bf16.cpp",
-                 "bitmask.cpp"))
+# .cpp costs about 4-6 s of g++ on ATen's headers alone (they include what they use of
+# ATen, `ATen/core/Tensor.h` and per-operator headers, rather than all of `ATen/ATen.h`),
+# so eight files took 37 s on two cores where these two units take about 15 s (Zen 4),
+# balanced by measured compile time: paged attention is the heaviest source. The grouping
+# is fixed, not per core count, because sources share file-local names across units:
+# linear_bf16.cpp's AVX2 panel (PanelFn, kPanel) and linear_quant.cpp's must never meet
+# in one unit. A new source goes into the unit it compiles in on every ISA class.
+UNITY_GROUPS = (("linear_quant_x8.cpp", "linear_quant.cpp", "lora.cpp", "greedy.cpp",
+                 "linear_quant_bf16.cpp", "bitmask.cpp"),
+                ("paged_attention.cpp", "linear_bf16.cpp"))
 
 
 def unity_sources(build_dir: Path) -> list[str]:

@@ -48,9 +48,32 @@ def allocate_kv_cache(spec: AttentionSpec, num_slots: int, num_blocks: int,
     [2, num_blocks, block_size, num_kv_heads, head_size]. Zeroed: stale values in a fresh
     block must never reach attention (NaN * 0 is still NaN)."""
     shape = (num_slots, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    if device.type == "cpu":
+        check_fits_in_memory(torch.Size(shape).numel() * spec.dtype.itemsize)
     buffer = (huge_zeros(shape, spec.dtype) if device.type == "cpu"
               else torch.zeros(shape, dtype=spec.dtype, device=device))
     return buffer, list(buffer.unbind(0))
+
+
+def check_fits_in_memory(nbytes: int) -> None:
+    """A CPU KV cache is not touched at start-up (huge_zeros), so the kernel would accept
+    a size it cannot back and the engine would be killed mid-serving: refuse it here."""
+    available = _mem_available()
+    if available is not None and nbytes > available:
+        raise ValueError(f"the KV cache needs {nbytes / 2**30:.1f} GiB but this machine has "
+                         f"{available / 2**30:.1f} GiB available; lower kv_cache_memory "
+                         "(or num_kv_blocks)")
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def layer_placement(groups: list[KVCacheGroupSpec],

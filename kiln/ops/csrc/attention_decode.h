@@ -5,7 +5,7 @@
 // arithmetic, or bf16 dot products for bf16 caches on AVX512-BF16 builds (scores_bf16).
 // Included by paged_attention.cpp only.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>

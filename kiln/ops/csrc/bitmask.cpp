@@ -5,7 +5,7 @@
 // layout). Why a kernel: unpacking the bits with ATen ops costs 3-10 ms per 32-row step
 // at a 49k vocabulary on two cores (it materialises [R, V] temporaries); word at a time
 // it is a fraction of a millisecond, and an all-ones word (every token allowed) is skipped.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -12,7 +12,8 @@
 // semantics then apply. (Each v is first raised to at least -FLT_MAX, which keeps a NaN
 // (x86 max returns its second operand when one is NaN); then 0 * v is NaN exactly for NaN
 // and +inf, so one sum finds them.)
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <cfloat>

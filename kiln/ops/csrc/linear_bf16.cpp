@@ -23,7 +23,9 @@
 //
 // A layer may also keep a plain weight for large row counts (`dense`, `dense_from`): the
 // tuning table decides per layer when oneDNN's GEMM beats the packed kernel there.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

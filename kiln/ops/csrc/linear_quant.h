@@ -33,7 +33,8 @@
 // bf16, `vdpbf16ps` tiles), and linear_quant_x8.cpp the direct Q4 kernel on AVX512-BF16
 // and AVX2 builds (x quantized to int8 per 32 columns, integer dot products).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <cstdint>
 

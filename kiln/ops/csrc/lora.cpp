@@ -11,7 +11,9 @@
 // parallel over (tile, column block), so one token still uses every thread. h stays fp32
 // and y is rounded once. Many rows (prefill chunks): per-slot ATen GEMMs on the slot's
 // rows, in PEFT's order ((x A^T) B^T, times scaling, added).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

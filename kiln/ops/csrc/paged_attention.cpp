@@ -24,7 +24,14 @@
 // (0: none; the query at p sees keys p - window + 1 .. p, and only blocks the window
 // reaches are read, since out-of-window table entries may already belong to another
 // request) and its softcap (0: none; scores -> cap * tanh(scores / cap), Gemma 2).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/tanh.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/TensorOperators.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
