@@ -83,6 +83,34 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt_ids: list[int], max_ne
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_greedy_batch(model: transformers.PreTrainedModel, prompts: list[list[int]],
+                    max_new: int, stop_at_eos: bool = False) -> list[list[int]]:
+    """`hf_greedy` for several prompts in one left-padded `generate` (about 3x faster
+    for SmolLM2's 8 chat prompts: the suite's budget). The first prompt is also decoded
+    alone and must agree, so padding can never quietly move the ground truth."""
+    eos = model.generation_config.eos_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    gen = model.generation_config
+    if not stop_at_eos:
+        gen.eos_token_id = None
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new,
+                                 do_sample=False, pad_token_id=0)
+    finally:
+        gen.eos_token_id = eos
+    rows = []
+    for row in out[:, width:].tolist():
+        if stop_at_eos and eos in row:
+            row = row[:row.index(eos) + 1]  # what generate returns for the prompt alone
+        rows.append(row)
+    assert rows[0] == hf_greedy(model, prompts[0], max_new, stop_at_eos), \
+        "a left-padded batch changed transformers' greedy output"
+    return rows
+
+
 def assert_exact_under_pressure(llm, prompts: list[list[int]], params, refs: list[list[int]],
                                 compiled: bool) -> None:
     """Greedy outputs equal `refs` while prefix-cache hits and preemption happen (the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy
+from conftest import hf_greedy_batch
 from kiln import LLM, SamplingParams
 from kiln.config.compilation import CUDAGraphMode
 
@@ -39,7 +39,7 @@ def prompts(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def references(smollm2_hf, prompts):
-    return [hf_greedy(smollm2_hf, p, MAX_NEW) for p in prompts]
+    return hf_greedy_batch(smollm2_hf, prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize("level,graph_backend", [(0, "auto"), (1, "auto"), (2, "cpu_test"),

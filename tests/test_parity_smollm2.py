@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy
+from conftest import hf_greedy_batch
 from kiln import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -33,8 +33,8 @@ def prompts(llm):
 
 @pytest.fixture(scope="module")
 def references(smollm2_hf, prompts):
-    return [hf_greedy(smollm2_hf, p["prompt_token_ids"], MAX_NEW, stop_at_eos=True)
-            for p in prompts]
+    return hf_greedy_batch(smollm2_hf, [p["prompt_token_ids"] for p in prompts], MAX_NEW,
+                           stop_at_eos=True)
 
 
 def test_batch_of_8_chat_prompts_matches_transformers(llm, prompts, references):
