@@ -107,3 +107,17 @@ def test_a_kv_cache_larger_than_available_memory_fails_at_start_up():
     check_fits_in_memory(1 << 20)
     with pytest.raises(ValueError, match="lower kv_cache_memory"):
         check_fits_in_memory(1 << 50)
+
+
+@needs_thp
+def test_kv_cache_backs_its_first_blocks_at_start_up_and_the_rest_on_use():
+    from kiln.kv_cache.kv_cache_spec import FullAttentionSpec
+    from kiln.runner.kv_alloc import allocate_kv_cache
+
+    spec = FullAttentionSpec(16, 3, 64, torch.bfloat16)
+    buffer, slots = allocate_kv_cache(spec, 2, 4096, torch.device("cpu"))
+    # 2 layers x keys/values, 24 MiB each: the first page (or two, where a region starts
+    # mid-page) of each is backed, nothing else.
+    backed = anon_huge_kib(buffer.data_ptr())
+    assert 4 * 2048 <= backed <= 8 * 2048 < buffer.numel() * 2 // 1024
+    assert not slots[1][1, 0].any() and not slots[1][1, -1].any()

@@ -79,10 +79,11 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     backs each page at its first write. Touching pages is what costs: with THP
     `defrag=madvise` a huge-page fault may compact memory first (about 4 ms per 2 MiB
     here), so touching the default model's 1 GiB KV cache took 0.8-2.4 s of every start
-    (Zen 4). Left to fault, a page costs that when a request first reaches it (the first
-    short chat request: 0.45 s, once), and a page never reached costs nothing. Faulting
-    them on a thread during the compile was tried and made start-up slower: the faults
-    contend with the compile's own memory work."""
+    (Zen 4). Left to fault, a page costs that when a request first reaches it, and a
+    page never reached costs nothing (kv_alloc faults the first page of each layer's
+    keys and values, where the first requests' blocks lie). Faulting all of them on a
+    thread during the compile was tried and made start-up slower: the faults contend
+    with the compile's own memory work."""
     if not available():
         return torch.zeros(shape, dtype=dtype)
     n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
