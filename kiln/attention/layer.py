@@ -22,17 +22,12 @@ class Attention(nn.Module):
                                        sliding_window, logits_soft_cap)
         self.layer_index = layer_index
         # The native op's copy of the index, a graph input rather than a constant, so
-        # every decoder layer traces to the same code (regional compilation). It never
-        # leaves the CPU: the native op reads it on the host.
+        # every decoder layer traces to the same code (regional compilation); read on the
+        # host. The runner writes it with `native_op` (a model built on `meta` has no
+        # value here yet).
         self.register_buffer("layer_id", torch.tensor(layer_index), persistent=False)
-        self.init_buffers()
         # Set by the runner from the chosen backend before tracing (`native_layer_op`).
         self.native_op = False
-
-    def init_buffers(self) -> None:
-        """Models built on `meta` call this once they have real storage."""
-        if self.layer_id.device.type != "meta":
-            self.layer_id.fill_(self.layer_index)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, heads * hd], k/v: [T, kv_heads * hd] -> [T, heads * hd]

@@ -54,11 +54,12 @@ class TraceOnceModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._direct is not None:
             return self._direct(input_ids, positions)
-        if not self.traced:
-            torch._dynamo.mark_dynamic(input_ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
-            self.backend.current_inputs = (input_ids, positions)
-            self.traced = True
+        if self.traced:  # no direct call: Dynamo, without guards, never traces again
+            return self._compiled(input_ids, positions)
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        self.backend.current_inputs = (input_ids, positions)
+        self.traced = True
         with torch._dynamo.config.patch(**DYNAMO_CONFIG):
             out = self._compiled(input_ids, positions)
         self._direct = self.backend.direct

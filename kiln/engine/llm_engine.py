@@ -23,7 +23,7 @@ from kiln.engine.stat_loggers import (iteration_stats, load_stat_loggers,
                                       log_engine_initialized, prompt_tokens_scheduled,
                                       record_all)
 from kiln.executor.abstract import Executor
-from kiln.executor.factory import make_executor
+from kiln.executor.factory import make_executor, runs_in_process
 from kiln.executor.worker import RunnerSpec
 from kiln.kv_cache.block_hash import BlockHasher
 from kiln.kv_cache.kv_cache_manager import KVCacheManager
@@ -66,9 +66,8 @@ class LLMEngine:
         load_general_plugins()  # plugins register models before any is resolved
         if config.device == "cpu":  # a first start's g++ work overlaps what comes next
             cpu_kernels.start_loading(default_cache_root())
-            in_process = config.tensor_parallel_size == 1 or \
-                config.distributed_executor_backend == "external_launcher"
-            if config.compilation.mode and in_process:  # mp workers probe their own
+            if config.compilation.mode and runs_in_process(  # mp workers probe their own
+                    config.distributed_executor_backend, config.tensor_parallel_size):
                 probe_in_background()
         with phases("model files"):  # a GGUF file's one-time conversion lands here
             path = resolve_model(config.model, progress=progress)

@@ -8,8 +8,18 @@ from kiln.executor.uniproc import ExternalLauncherExecutor, InProcessExecutor
 from kiln.executor.worker import RunnerSpec
 
 
+def resolve_backend(backend: str | None, tp: int) -> str:
+    return backend or ("mp" if tp > 1 else "uni")
+
+
+def runs_in_process(backend: str | None, tp: int) -> bool:
+    """Whether this process holds a runner (and compiles): not under `mp`, whose
+    workers are processes of their own."""
+    return resolve_backend(backend, tp) != "mp"
+
+
 def make_executor(backend: str | None, tp: int, spec: RunnerSpec) -> Executor:
-    backend = backend or ("mp" if tp > 1 else "uni")
+    backend = resolve_backend(backend, tp)
     if backend == "uni":
         if tp != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank but "

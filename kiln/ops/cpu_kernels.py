@@ -4,11 +4,10 @@ The kernels are compiled with the host's g++ the first time an engine starts on 
 with AVX2 or AVX512 (about 15 s on two cores, shown as one progress line: the sources
 include what they use of ATen and torch/library.h rather than torch/extension.h, which
 measured 39 s of g++ per file against 12 s, and are built as two unity units,
-`UNITY_GROUPS`), for the host's ISA
-class
-(`kiln.platforms.cpu.isa_class`: AMX, AVX512-BF16, plain AVX512 or AVX2; see csrc/simd.h), and the shared
-object is kept in the kiln cache directory under a hash of the source, the flags and the
-torch version, so later starts only `dlopen` it. `KILN_CPU_ISA` caps the class, so one
+`UNITY_GROUPS`), for the host's ISA class (`kiln.platforms.cpu.isa_class`: AMX,
+AVX512-BF16, plain AVX512 or AVX2; see csrc/simd.h), and the shared object is kept in
+the kiln cache directory under a hash of the source, the flags and the torch version, so
+later starts only `dlopen` it. `KILN_CPU_ISA` caps the class, so one
 host can run the paths of the others (`avx512_bf16` on an AMX host is the reference
 host's path, `avx2` on any AVX512 host the AVX2 one). Builds happen in a private
 temporary directory under a file lock and are renamed into place: a killed build leaves

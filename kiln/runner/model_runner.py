@@ -104,9 +104,7 @@ class ModelRunner:
         self.attn_backends = [backend_cls(layer.spec) for layer in layers]
         for layer in layers:
             layer.native_op = backend_cls.native_layer_op
-            # The native op's index buffer, set here whatever built the model (a loader
-            # that skipped init_buffers would leave it uninitialised).
-            layer.layer_id.fill_(layer.layer_index)
+            layer.layer_id.fill_(layer.layer_index)  # whatever built the model
         kv = build_kv_cache([layer.spec for layer in layers], self.limits.block_size,
                             self.dtype, self.device, kv_cache_memory, num_kv_blocks)
         self.kv_groups, self.kv_spec, self.layer_groups = kv.groups, kv.spec, kv.layer_groups
