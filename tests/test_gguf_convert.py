@@ -182,6 +182,14 @@ def test_tiny_round_trip(tmp_path: Path, tied: bool, tokenizer: bool, rope: dict
         assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
         text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
         assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        # kiln picks the tokenizer class itself (gguf_convert._tokenizer_class): the files
+        # must be the ones AutoTokenizer's own resolution writes.
+        reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+        reference.model_max_length = tok.model_max_length
+        reference.save_pretrained(tmp_path / "reference")
+        for name in ("tokenizer.json", "chat_template.jinja"):
+            assert (out / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
+        assert type(reference).__name__ == type(tok).__name__
 
 
 def test_concurrent_conversions_convert_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

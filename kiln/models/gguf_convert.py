@@ -83,7 +83,7 @@ def _convert_into(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
     if meta.field("tokenizer.ggml.model") is None:
         logger.warning("%s carries no tokenizer; writing weights and config only", gguf_path.name)
     else:
-        _save_tokenizer(gguf_path, out_dir, config.max_position_embeddings)
+        _save_tokenizer(gguf_path, out_dir, config)
 
 
 def iter_hf_tensors(
@@ -197,14 +197,12 @@ def _generation_config(bos: int | None, eos: int | None, pad: int | None) -> Gen
     return GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path, max_length: int) -> None:
+def _save_tokenizer(gguf_path: Path, out_dir: Path, config: Any) -> None:
     """Let transformers build the fast tokenizer (vocab, merges, special tokens, chat template)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
+    tokenizer = _tokenizer_class(gguf_path, config).from_pretrained(
         str(gguf_path.parent.resolve()), gguf_file=gguf_path.name, local_files_only=True
     )
-    tokenizer.model_max_length = max_length  # otherwise an "infinite" sentinel is saved
+    tokenizer.model_max_length = config.max_position_embeddings  # otherwise an "infinite" sentinel is saved
     tokenizer.save_pretrained(out_dir)
 
     def drop_load_time_flags(data: dict[str, Any]) -> None:
@@ -213,3 +211,23 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, max_length: int) -> None:
             data.pop(key, None)
 
     _edit_json(out_dir / "tokenizer_config.json", drop_load_time_flags)
+
+
+def _tokenizer_class(gguf_path: Path, config: Any) -> Any:
+    """The class `AutoTokenizer` picks for this file, found without its config step.
+
+    Given a GGUF file, `AutoTokenizer` rebuilds the model config with gguf's own reader
+    (for llama files: about 3 s on the default model's 49k-token vocabulary, which only
+    the tokenizer needs) and, with no tokenizer_config.json beside the file and no
+    `tokenizer_class` in the config, takes `TOKENIZER_MAPPING[type(config)]`, else
+    `TokenizersBackend`. kiln already holds the config, so it looks the class up itself
+    (0.3 s); anything else is left to `AutoTokenizer`. tests/test_gguf_convert.py checks
+    that both write the same files."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING, TokenizersBackend
+
+    if (gguf_path.parent / "tokenizer_config.json").exists() or \
+            getattr(config, "tokenizer_class", None):
+        return AutoTokenizer
+    chosen = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
+    return AutoTokenizer if chosen.__name__ == "MistralCommonBackend" else chosen
