@@ -31,7 +31,6 @@
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/TensorOperators.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -235,10 +234,10 @@ void prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
   };  // [1, heads, n, D]
   const auto qr = q.narrow(0, start, q_len).transpose(0, 1).unsqueeze(0);
   const auto opts = at::TensorOptions().dtype(at::kLong);
-  const auto qpos = at::arange(q_len, opts).unsqueeze(1) + (len - q_len);
-  const auto kpos = at::arange(n, opts).unsqueeze(0) + offset;
-  auto hidden = kpos > qpos;
-  if (window > 0) hidden = hidden.logical_or(kpos <= qpos - window);
+  const auto qpos = at::arange(q_len, opts).unsqueeze(1).add(len - q_len);
+  const auto kpos = at::arange(n, opts).unsqueeze(0).add(offset);
+  auto hidden = kpos.gt(qpos);
+  if (window > 0) hidden = hidden.logical_or(kpos.le(qpos.sub(window)));
   at::Tensor res;
   if (softcap > 0) {
     const auto keys = gather(key_cache), values = gather(value_cache);
@@ -250,7 +249,7 @@ void prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
     res = at::scaled_dot_product_attention(qr, gather(key_cache), gather(value_cache), mask,
                                            0.0, false, scale, false);
   }
-  out.narrow(0, start, q_len).copy_(res[0].transpose(0, 1));
+  out.narrow(0, start, q_len).copy_(res.select(0, 0).transpose(0, 1));
 }
 
 }  // namespace
