@@ -6,11 +6,13 @@ artifact into `save_dir` when given; `load(artifact_dir)` returns the callable a
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
+from unittest import mock
 
 import torch
 from torch import fx
@@ -24,14 +26,32 @@ from kiln.compiler.vec_isa import record_vec_isa, vec_isa_patch
 # compiler instead of 15.3 s on a machine without the header, 9.2 s on one with it, and
 # every later cold build saves the same (Zen 4, 2 cores). The flag adds a define to each
 # kernel's command line, so it is part of each kernel's cache key: loads set it as
-# compiles did. A warm start then preprocesses the header once (0.2 s; a whole warm
-# `kiln generate` measured 0.995x), and rebuilds it if /tmp lost it (after a reboot).
+# compiles did, but with no header to precompile (`_no_header_precompiling`).
 # Size and alignment asserts re-check every graph input (each weight) and every extern
 # op's output on every call: ~600 checks in a SmolLM2 step, 5-10% of a batch-1 decode on
 # the CPU. The inputs are the runner's own persistent buffers and weights, and the extern
 # outputs are held to their fake implementations by tests/test_op_fakes.py instead.
 _INDUCTOR_PATCHES = {"cpp_cache_precompile_headers": True, "size_asserts": False,
                      "alignment_asserts": False}
+
+
+@contextlib.contextmanager
+def _no_header_precompiling() -> Iterator[None]:
+    """While loading: no header to precompile. A warm load runs no C++ toolchain at all
+    (a warm cache may ship to a host without g++), but Inductor, told that headers are
+    precompiled, would preprocess cpp_prefix.h (a g++ call) to check the precompiled one
+    is current, and rebuild it (4.5 s) where /tmp lost it. Every kernel's .so travels with
+    its artifact, so nothing compiles here; a kernel that must (a damaged artifact)
+    compiles from the plain header, slower and the same. Inductor's two lookups are
+    private functions: where a torch version lacks them, nothing is patched."""
+    from torch._inductor import codecache
+
+    with contextlib.ExitStack() as stack:
+        for name in ("_get_cpp_prefix_header", "_get_cpp_wrapper_header"):
+            if hasattr(codecache, name):
+                stack.enter_context(mock.patch.object(codecache, name,
+                                                      lambda *args, **kwargs: None))
+        yield
 
 
 class CompilerAdaptor(ABC):
@@ -119,7 +139,8 @@ class InductorAdaptor(CompilerAdaptor):
     def load(self, artifact_dir):
         from torch._inductor import config as inductor_config
 
-        with inductor_config.patch({**self.options, **vec_isa_patch()}):
+        with inductor_config.patch({**self.options, **vec_isa_patch()}), \
+                _no_header_precompiling():
             fn = torch._inductor.CompiledArtifact.load(path=str(artifact_dir),
                                                        format="unpacked")
         record_vec_isa()
