@@ -37,6 +37,7 @@ def test_too_long_prompt_is_rejected_alone(llm):
     ({"prompt_token_ids": []}, "empty"),
     ({"prompt_token_ids": [1, 99999]}, "outside the vocabulary"),
     ("text without a tokenizer", "no tokenizer"),
+    ([[1, 2, 3]], "must be a string or"),  # a bare list of ids: not a prompt
 ])
 def test_other_bad_prompts(llm, prompt, match):
     out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]

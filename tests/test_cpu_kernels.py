@@ -7,6 +7,8 @@ AVX2; build another class with KILN_CPU_ISA=avx512 or avx2 on a better host).
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,28 +157,62 @@ def test_the_unity_build_compiles_every_source_once():
     assert not any({"linear_bf16.cpp", "linear_quant.cpp"} <= set(g) for g in UNITY_GROUPS)
 
 
-def test_a_failed_build_is_tried_once_and_a_background_start_only_when_due(
-        monkeypatch, tmp_path):
-    calls = []
-
+def _failing_build(monkeypatch, calls, delay=0.0):
     def failing_load(root, progress):
         calls.append(root)
+        time.sleep(delay)
         raise RuntimeError("g++ exploded")
 
     monkeypatch.setattr(cpu_kernels, "_load", failing_load)
     monkeypatch.setitem(cpu_kernels._state, "signature", None)
     monkeypatch.setitem(cpu_kernels._state, "failed", None)
+    monkeypatch.setitem(cpu_kernels._state, "planned", None)
+    monkeypatch.setitem(cpu_kernels._state, "building", None)
     monkeypatch.setattr(cpu_kernels, "host_supports", lambda: None)
+
+
+def test_a_failed_build_is_tried_once_and_a_background_start_only_when_due(
+        monkeypatch, tmp_path):
+    calls = []
+    _failing_build(monkeypatch, calls)
     assert not cpu_kernels.ensure_loaded(tmp_path) and not cpu_kernels.ensure_loaded(tmp_path)
     assert len(calls) == 1 and "g++ exploded" in cpu_kernels.unavailable_reason()
-    # A background build only with cores to spare, and only when nothing is built yet.
-    monkeypatch.setattr(cpu_kernels, "_cores", lambda: len(cpu_kernels.UNITY_GROUPS))
-    assert cpu_kernels.start_loading(tmp_path / "fresh") is None
-    monkeypatch.setattr(cpu_kernels, "_cores", lambda: 16)
-    built = cpu_kernels._target(tmp_path / "built")
+    assert cpu_kernels.start_loading(tmp_path / "fresh") is None  # the toolchain failed
+    monkeypatch.setitem(cpu_kernels._state, "failed", None)
+    built = cpu_kernels._target(tmp_path / "built")  # nothing to overlap: just load it
     built.parent.mkdir(parents=True)
     built.touch()
     assert cpu_kernels.start_loading(tmp_path / "built") is None
     thread = cpu_kernels.start_loading(tmp_path / "fresh")
+    assert cpu_kernels.start_loading(tmp_path / "fresh") is None  # one build at a time
     thread.join(timeout=30)
     assert not thread.is_alive() and calls[-1] == tmp_path / "fresh"
+    # The plan counted on the kernels while they built; their failure is the engine's to
+    # handle (it starts again without them), and nothing plans on them afterwards.
+    assert not cpu_kernels.planned() and cpu_kernels.planned_signature() is None
+    with pytest.raises(cpu_kernels.BuildFailed, match="g\\+\\+ exploded"):
+        cpu_kernels.wait_planned()
+    cpu_kernels.wait_planned()  # reported once
+
+
+def test_a_build_that_fails_beside_start_up_restarts_the_engine_without_kernels(
+        monkeypatch, tmp_path, tiny_models, caplog):
+    """A first start loads weights, traces and compiles while the kernels build; if the
+    build then fails (found when the compiled graph is about to run), the engine starts
+    again on F.linear and SDPA (float32 for an `auto` dtype) and answers exactly as
+    transformers does."""
+    from conftest import hf_greedy
+    from kiln import LLM, SamplingParams
+
+    calls = []
+    _failing_build(monkeypatch, calls, delay=0.5)
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))  # no library here: a build is due
+    path, hf = tiny_models["llama"]
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(path), progress=False, optimization_level=2, max_model_len=64)
+    assert len(calls) == 1 and "starting again without them" in caplog.text
+    assert llm.engine.dtype == torch.float32 and not cpu_kernels.planned()
+    prompt = [5, 17, 42, 7, 99]
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)

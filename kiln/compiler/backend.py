@@ -19,6 +19,7 @@ from kiln.compiler.pieces import (concrete_args, graph_signature, record_piece_a
                                   returns_tuple, token_dim_position)
 from kiln.compiler.piecewise import PiecewiseBackend, Range
 from kiln.compiler.split import SplitItem, split_graph
+from kiln.ops import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class KilnBackend:
         self.compile_time_s = time.perf_counter() - start
         logger.info("compiled %d pieces (%d unique) for %s in %.1f s", len(compiled),
                     len(unique), ", ".join(map(str, self.shapes)), self.compile_time_s)
+        # Dynamo runs the graph as soon as this returns: the kernels it calls, built
+        # beside the trace on a first start, load first.
+        cpu_kernels.wait_planned()
         return split_gm
 
     def _build(self, item: SplitItem, args: tuple[Any, ...], sig: str) -> PiecewiseBackend:

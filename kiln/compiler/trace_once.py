@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from kiln.compiler.counter import compilation_counter
+from kiln.ops import cpu_kernels
 
 
 # Float attributes of modules (a norm's eps) are constants of the trace, as they are of
@@ -38,6 +39,8 @@ class TraceOnceModel:
         self.backend = backend
         self._direct = backend.load_saved()
         self._compiled = None
+        if self._direct is not None:  # warm: the next call runs kernels (a cold one
+            cpu_kernels.wait_planned()  # waits in the backend, after compiling)
         if self._direct is None:
             # Each engine traces its model class's `forward` once, but Dynamo counts every
             # trace of one code object as a recompile: without this the ninth cold engine
@@ -61,6 +64,14 @@ class TraceOnceModel:
         self.backend.current_inputs = (input_ids, positions)
         self.traced = True
         with torch._dynamo.config.patch(**DYNAMO_CONFIG):
-            out = self._compiled(input_ids, positions)
+            try:
+                out = self._compiled(input_ids, positions)
+            except torch._dynamo.exc.BackendCompilerFailed as exc:
+                # The backend's last step waits for kernels built beside the trace; the
+                # engine restarts without them if they failed, so that is raised as is.
+                inner = getattr(exc, "inner_exception", None)
+                if isinstance(inner, cpu_kernels.BuildFailed):
+                    raise inner from None
+                raise
         self._direct = self.backend.direct
         return out

@@ -60,17 +60,27 @@ class LLMEngine:
     were."""
 
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        try:
+            self._start(config, progress)
+        except cpu_kernels.BuildFailed as exc:  # after the plan counted on the kernels
+            logger.warning("%s; starting again without them (slower, same outputs)", exc)
+            self._start(config, progress)
+
+    def _start(self, config: EngineConfig, progress: bool) -> None:
         start = time.perf_counter()
         self.config = config
         self.phases = phases = Phases()  # where start-up's seconds go
         load_general_plugins()  # plugins register models before any is resolved
-        if config.device == "cpu":  # a first start's g++ work overlaps what comes next
-            cpu_kernels.start_loading(default_cache_root())
-            if config.compilation.mode and runs_in_process(  # mp workers probe their own
-                    config.distributed_executor_backend, config.tensor_parallel_size):
-                probe_in_background()
+        in_process = runs_in_process(config.distributed_executor_backend,
+                                     config.tensor_parallel_size)
+        if config.device == "cpu" and in_process and config.compilation.mode:
+            probe_in_background()  # mp workers probe their own
         with phases("model files"):  # a GGUF file's one-time conversion lands here
             path = resolve_model(config.model, progress=progress)
+        if config.device == "cpu" and in_process:  # mp workers build (or wait) their own
+            # A first start's g++ overlaps all up to the first kernel call; not the
+            # conversion, which ran 3x slower beside it (kiln.ops.cpu_kernels).
+            cpu_kernels.start_loading(default_cache_root())
         with phases("model config"):
             self.model_config = mc = ModelConfig.from_pretrained(path)
         model_class(mc.architecture)  # unknown architectures fail before any loading
@@ -90,8 +100,8 @@ class LLMEngine:
                              "blocks are not sharded yet); pass --quantization none to "
                              "shard the dequantized weights, or -tp 1")
         if config.device == "cpu":
-            with phases("kernels"):  # built once per machine (then loaded), or waited for
-                cpu_kernels.ensure_loaded(default_cache_root(), progress)
+            with phases("kernels"):  # loaded; built here where no build runs beside
+                cpu_kernels.ensure_planned(default_cache_root(), progress)
         self.dtype = resolve_dtype(config, mc)
         self.max_model_len = resolve_max_model_len(config, mc)
         with phases("tokenizer"):

@@ -41,7 +41,7 @@ def fast_bf16(device: torch.device) -> bool:
     compiler or a failed build leaves oneDNN's emulated bf16, slower than float32)."""
     if not platform_for(device).fast_bf16():
         return False
-    return device.type != "cpu" or cpu_kernels.ensure_loaded(default_cache_root(),
+    return device.type != "cpu" or cpu_kernels.ensure_planned(default_cache_root(),
                                                               progress=True)
 
 

@@ -194,7 +194,9 @@ def _broadcast_lora(lora: LoRARequest | Sequence[LoRARequest | None] | None,
 
 
 def _error_output(rid: str, prompt: Prompt, message: str) -> RequestOutput:
-    text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+    # Any malformed prompt lands here (a bare list of ids too): it must fail alone.
+    text = prompt if isinstance(prompt, str) else \
+        prompt.get("prompt") if isinstance(prompt, dict) else None
     ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
     return RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], finish_reason="error")],
                          finished=True, error=message)

@@ -1,12 +1,47 @@
-"""Shape functions (fakes) of every `kiln_cpu` op, so compiled graphs can call them:
-registered once the library defining the ops is loaded (kiln.ops.cpu_kernels)."""
+"""The schemas and shape functions (fakes) of the `kiln_cpu` ops a graph calls.
+
+They are defined here, in Python, rather than by the C++ library, so that a first start
+can trace and compile its model while g++ still builds the library (kiln.ops.cpu_kernels):
+the library only registers each op's CPU kernel. The ops that only install host state
+(`set_amx`, `set_batch`, `clear_batch`) stay defined in C++, as catch-all kernels: no
+graph calls them.
+"""
 from __future__ import annotations
 
 import torch
 
+SCHEMAS = (
+    ("linear_packed(Tensor x, Tensor wp, Tensor? bias, Tensor? dense=None, "
+     "int dense_from=0) -> Tensor"),
+    ("linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, "
+     "int fmt, int panel_from) -> Tensor"),
+    ("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scaling, "
+     "Tensor indices) -> ()"),
+    "apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()",
+    "greedy_argmax(Tensor logits) -> Tensor",
+    # The scale comes with the batch (per layer), not as an argument: Dynamo may turn a
+    # float module attribute into a symbolic input, which a C++ op cannot take. The layer
+    # index is a one-element tensor (a buffer of the layer), not an int: an int would be
+    # a constant in the graph, and the decoder layers could not share one compiled region.
+    ("unified_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, "
+     "Tensor layer_index) -> ()"),
+)
+_library: list[torch.library.Library] = []  # defined once per process, kept alive
 
-def register_fakes() -> None:
-    """Register the fakes; call once, after `torch.ops.load_library`."""
+
+def define_ops() -> None:
+    """Define the schemas and register the fakes, once per process (before tracing a
+    graph that calls them, or loading the library that implements them)."""
+    if _library:
+        return
+    lib = torch.library.Library("kiln_cpu", "FRAGMENT")  # noqa: TOR901 (kept alive)
+    for schema in SCHEMAS:
+        lib.define(schema)
+    _library.append(lib)
+    _register_fakes()
+
+
+def _register_fakes() -> None:
 
     @torch.library.register_fake("kiln_cpu::linear_packed")
     def _linear_packed_fake(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None,

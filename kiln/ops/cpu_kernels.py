@@ -1,25 +1,27 @@
 """Build and load kiln's C++ CPU kernels (`torch.ops.kiln_cpu.*`) once per machine.
 
 The kernels are compiled with the host's g++ the first time an engine starts on a CPU
-with AVX2 or AVX512 (about 15 s on two cores, shown as one progress line: the sources
-include what they use of ATen and torch/library.h rather than torch/extension.h, which
-measured 39 s of g++ per file against 12 s, and are built as two unity units,
-`UNITY_GROUPS`), for the host's ISA class (`kiln.platforms.cpu.isa_class`: AMX,
-AVX512-BF16, plain AVX512 or AVX2; see csrc/simd.h), and the shared object is kept in
-the kiln cache directory under a hash of the source, the flags and the torch version, so
-later starts only `dlopen` it. `KILN_CPU_ISA` caps the class, so one
-host can run the paths of the others (`avx512_bf16` on an AMX host is the reference
-host's path, `avx2` on any AVX512 host the AVX2 one). Builds happen in a private
-temporary directory under a file lock and are renamed into place: a killed build leaves
-no half-written library and no stale lock (torch's own JIT loader would wait forever on
-one).
+with AVX2 or AVX512 (about 12 s on two cores: the sources include what they use of ATen
+and torch/library.h rather than torch/extension.h, which measured 39 s of g++ per file
+against 12 s, and are built as two unity units, `UNITY_GROUPS`), on a thread beside the
+engine's own start-up (`start_loading`), for the host's ISA class
+(`kiln.platforms.cpu.isa_class`: AMX, AVX512-BF16, plain AVX512 or AVX2; see
+csrc/simd.h), and the shared object is kept in the kiln cache directory under a hash of
+the source, the flags and the torch version, so later starts only `dlopen` it.
+`KILN_CPU_ISA` caps the class, so one host can run the paths of the others
+(`avx512_bf16` on an AMX host is the reference host's path, `avx2` on any AVX512 host
+the AVX2 one). Builds happen in a private temporary directory under a file lock and are
+renamed into place: a killed build leaves no half-written library and no stale lock
+(torch's own JIT loader would wait forever on one).
 
 Anything that prevents the kernels (no AVX2, no compiler, a failed build,
 `KILN_CPU_KERNELS=0`) leaves `loaded()` False and the engine on `F.linear`: slower,
-never wrong.
+never wrong. A build that fails after the engine planned on it (`planned`) raises
+`BuildFailed` where the kernels are first needed, and the engine starts again without.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -29,12 +31,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from filelock import FileLock
 
 from kiln import envs
-from kiln.ops.cpu_fakes import register_fakes
+from kiln.ops.cpu_fakes import define_ops
 from kiln.platforms.cpu import isa_class
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,11 @@ _state: dict[str, str | None] = {"signature": None, "reason": "not requested"}
 # One loader at a time: a background build (start_loading) and a caller that needs the
 # kernels now meet here, and the second finds them loaded.
 _lock = threading.Lock()
+_builder: list[threading.Thread] = []  # this process's background build, while planned
+
+
+class BuildFailed(RuntimeError):
+    """The background build failed after the engine had planned on its kernels."""
 
 
 def cflags(isa: str) -> list[str]:
@@ -83,8 +91,8 @@ Q4_INT8_ACTIVATION_CLASSES = ("amx", "avx512_bf16", "avx2")
 
 
 def q4_int8_activations() -> bool:
-    """Whether the loaded kernels quantize bf16 activations of Q4 decode rows to int8."""
-    return loaded() and isa_class() in Q4_INT8_ACTIVATION_CLASSES
+    """Whether the kernels quantize bf16 activations of Q4 decode rows to int8."""
+    return planned() and isa_class() in Q4_INT8_ACTIVATION_CLASSES
 
 
 # The direct Q8_0 kernel does the same on VNNI builds only (llama.cpp's Q8_0 x Q8_0 dot):
@@ -93,8 +101,8 @@ Q8_INT8_ACTIVATION_CLASSES = ("amx", "avx512_bf16")
 
 
 def q8_int8_activations() -> bool:
-    """Whether the loaded kernels quantize bf16 activations of Q8_0 decode rows to int8."""
-    return loaded() and isa_class() in Q8_INT8_ACTIVATION_CLASSES
+    """Whether the kernels quantize bf16 activations of Q8_0 decode rows to int8."""
+    return planned() and isa_class() in Q8_INT8_ACTIVATION_CLASSES
 
 
 def loaded() -> bool:
@@ -103,6 +111,52 @@ def loaded() -> bool:
 
 def loaded_signature() -> str | None:
     return _state["signature"]
+
+
+def planned() -> bool:
+    """Loaded, or being built on this process's background thread: what a model's plan
+    (its weight formats, the graph's ops, the compile-cache key) decides on. Whatever
+    runs a kernel waits for it first (`wait_planned`)."""
+    # Plain dict reads: Dynamo traces this (kiln.ops.linear), and guards it builds on a
+    # list's items would fail once the list is emptied.
+    return loaded() or (bool(_state.get("building")) and _state.get("failed") is None)
+
+
+def planned_signature() -> str | None:
+    return _state["signature"] or (_state.get("planned") if planned() else None)
+
+
+def ensure_planned(cache_root: Path, progress: bool = False) -> bool:
+    """`planned()`, loading (building first if needed) in this thread when no background
+    build is under way."""
+    return planned() or ensure_loaded(cache_root, progress)
+
+
+@contextlib.contextmanager
+def beside_build() -> Iterator[None]:
+    """Eager torch work on one thread while a background build runs: with g++ on every
+    core, OpenMP's spinning barriers made loading the weights 5x slower (1.2 -> 6.4 s,
+    two cores). Not around compiling: Inductor writes the thread count into its code."""
+    if not (_builder and _builder[0].is_alive()):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def wait_planned() -> None:
+    """Before anything runs a kernel: wait for a background build. If it failed after
+    the engine had planned on it, raise BuildFailed (the engine starts again without)."""
+    if not _builder:
+        return
+    _builder.pop().join()
+    _state["building"] = None
+    if not loaded():
+        raise BuildFailed(f"kiln's CPU kernels: {_state['reason']}")
 
 
 def unavailable_reason() -> str | None:
@@ -123,17 +177,23 @@ def host_supports() -> str | None:
 
 def start_loading(cache_root: Path) -> threading.Thread | None:
     """Start `ensure_loaded` on a thread when a build is due, so that a first start's g++
-    (about 15 s) overlaps what an engine does before it needs the kernels (a GGUF
-    file's conversion, the model config, the tokenizer). Whoever calls `ensure_loaded`
-    next waits for it there. Only where cores are left over: the build keeps one busy
-    per unit, and on two cores overlapping it with the conversion measured no faster
-    (load 42.0-42.1 s against 40.7-41.6 s from empty caches, Zen 4). Nothing to
-    overlap when the library is built: loading it takes milliseconds."""
-    if (loaded() or host_supports() is not None or _target(cache_root).exists()
-            or _cores() <= len(UNITY_GROUPS)):
+    (about 12 s on two cores) overlaps what an engine does before it runs a kernel:
+    loading the weights, tracing and compiling (the ops' schemas and fakes are Python's,
+    `define_ops`). Even on two cores: most of that is one Python thread. A cold
+    `kiln generate` on the default model took 0.87x the wall time of building first
+    (farm-bench, Zen 4, 2 cores). The engine starts it after a GGUF file's conversion,
+    which ran 3x slower beside g++ (memory-bound numpy), and `beside_build` keeps eager
+    torch work off the second core meanwhile. Call it only where this process runs the
+    model: its plan (`planned`) counts on the thread. Nothing to overlap when the library
+    is built: loading it takes milliseconds."""
+    if loaded() or host_supports() is not None or _target(cache_root).exists() \
+            or _builder or _state.get("failed") is not None:
         return None
+    define_ops()
+    _state["planned"], _state["building"] = signature(), "1"
     thread = threading.Thread(target=ensure_loaded, args=(cache_root, False),
                               name="kiln-cpu-kernels", daemon=True)
+    _builder.append(thread)
     thread.start()
     return thread
 
@@ -165,11 +225,6 @@ def _ensure_loaded(cache_root: Path, progress: bool) -> bool:
     return False
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        os.cpu_count() or 1
-
-
 def _target(cache_root: Path) -> Path:
     return cache_root / "cpu_kernels" / signature() / f"{LIB_NAME}.so"
 
@@ -181,8 +236,8 @@ def _load(cache_root: Path, progress: bool) -> None:
     with FileLock(str(target.parent / "build.lock")):
         if not target.exists():
             _build(target, progress)
+    define_ops()
     torch.ops.load_library(str(target))
-    register_fakes()
     # AMX tiles need the kernel's permission per process; without it (or in a build for
     # another class) the register-tiled kernel runs at every row count.
     torch.ops.kiln_cpu.set_amx(isa_class() == "amx" and bool(torch.cpu._init_amx()))

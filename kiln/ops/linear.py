@@ -17,7 +17,7 @@ from kiln.ops.quant_packing import FP8, QuantWeight, dequantize
 
 
 def packable(weight: torch.Tensor) -> bool:
-    return (cpu_kernels.loaded() and weight.dtype == torch.bfloat16
+    return (cpu_kernels.planned() and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0)
 
@@ -49,7 +49,7 @@ def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     exact reference (the weight dequantized per call: slower, same numbers)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if cpu_kernels.loaded() and x.device.type == "cpu" and fmt != FP8:  # FP8: CUDA only
+    if cpu_kernels.planned() and x.device.type == "cpu" and fmt != FP8:  # FP8: CUDA only
         out = torch.ops.kiln_cpu.linear_quant(x2, codes, scales, mins, bias, fmt, panel_from)
     elif x.device.type == "cuda":
         from kiln.ops.triton_quant import linear_quant_cuda

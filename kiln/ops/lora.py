@@ -76,7 +76,7 @@ def add_lora(layer: torch.nn.Module, y: torch.Tensor, x: torch.Tensor) -> torch.
         if y.device.type == "cpu" and y.dtype in (torch.float32, torch.bfloat16):
             from kiln.ops import cpu_kernels
 
-            if cpu_kernels.loaded():
+            if cpu_kernels.planned():
                 op = torch.ops.kiln_cpu.lora_add_
         op(y, x, layer.lora_a, layer.lora_b, layer.lora_scaling, layer.lora_indices)
     return y

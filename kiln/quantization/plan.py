@@ -18,7 +18,7 @@ DIRECT, PANEL = "kiln-quant-direct", "kiln-quant-panel"
 def _loaded_isa() -> str:
     from kiln.ops import cpu_kernels
 
-    return cpu_kernels.isa_class() if cpu_kernels.loaded() else "none"
+    return cpu_kernels.isa_class() if cpu_kernels.planned() else "none"
 
 
 def default_panel_from(fmt: int, isa: str | None = None) -> int:

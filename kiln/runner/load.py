@@ -21,11 +21,11 @@ logger = logging.getLogger(__name__)
 def load_weights(model_config: ModelConfig, quantization: QuantizationConfig,
                  dtype: torch.dtype, device: torch.device, progress: bool) -> nn.Module:
     """Build the model, quantize it, pack bf16 weights for kiln's CPU kernels and move
-    them to huge pages. Order matters: the kernels load before anything is traced
-    (whether the graph calls them is decided at trace time), and huge pages come last
-    (the packed copies are what steps read)."""
+    them to huge pages. Order matters: the kernels are loaded, or planned on while they
+    build, before anything is traced (whether the graph calls them is decided at trace
+    time), and huge pages come last (the packed copies are what steps read)."""
     if device.type == "cpu":
-        cpu_kernels.ensure_loaded(default_cache_root(), progress)
+        cpu_kernels.ensure_planned(default_cache_root(), progress)
     model = build_model(model_config, dtype, device, progress)
     logger.info("quantization %s", apply_quantization(model, quantization, dtype))
     if model_config.moe is not None and quantization.method:

@@ -33,6 +33,7 @@ from kiln.lora.manager import LoRAManager
 from kiln.models.layers import set_regions
 from kiln.models.model_config import ModelConfig
 from kiln.models.packing import plan_signature
+from kiln.ops import cpu_kernels
 from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import (capture_all, graph_factory, resolve_dispatcher, wrap_full,
                                     wrap_pieces)
@@ -70,11 +71,12 @@ class ModelRunner:
         self.config, self.dtype, self.device, self.limits = model_config, dtype, device, limits
         self.quantization = quantization or QuantizationConfig()
         self.phases = phases = Phases()  # where start-up's seconds go (runner/phases.py)
-        with phases("weights"):
-            self.model = load_weights(model_config, self.quantization, dtype, device,
-                                      progress)
-        with phases("KV cache"):
-            self._init_attention(attention_backend, kv_cache_memory, num_kv_blocks)
+        with cpu_kernels.beside_build():
+            with phases("weights"):
+                self.model = load_weights(model_config, self.quantization, dtype, device,
+                                          progress)
+            with phases("KV cache"):
+                self._init_attention(attention_backend, kv_cache_memory, num_kv_blocks)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._alloc_buffers()
@@ -82,6 +84,8 @@ class ModelRunner:
         # With speculation, uniform decode also comes as 1 + k tokens per request.
         self._spec_k = speculative.num_speculative_tokens if speculative else 0
         self._init_forward(compilation, lora, progress)
+        with phases("kernels"):  # eager: still building beside the weights' load
+            cpu_kernels.wait_planned()
         with phases("drafter"):
             self.drafter = None if speculative is None else make_drafter(
                 speculative, self, draft_model_config, compilation, attention_backend,

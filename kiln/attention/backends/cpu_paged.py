@@ -73,7 +73,7 @@ class CpuPagedBackend(AttentionBackend):
             return f"dtype {dtype} is not supported (float32, bfloat16 are)"
         if head_size % 16 or head_size > 256:
             return f"head_size {head_size} is not a multiple of 16 up to 256"
-        if not cpu_kernels.loaded():
+        if not cpu_kernels.planned():
             reason = cpu_kernels.unavailable_reason()
             return f"kiln's C++ CPU kernels are not available ({reason})"
         return None

@@ -69,8 +69,5 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& rows,
   });
 }
 
-TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
-  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
-}
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("apply_token_bitmask_", &apply_token_bitmask_); }

@@ -62,6 +62,5 @@ at::Tensor greedy_argmax(const at::Tensor& logits) {
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) { m.def("greedy_argmax(Tensor logits) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("greedy_argmax", &greedy_argmax); }

@@ -356,11 +356,9 @@ void set_amx(bool enabled) {
 #endif
 }
 
-TORCH_LIBRARY(kiln_cpu, m) {
-  m.def("linear_packed(Tensor x, Tensor wp, Tensor? bias, Tensor? dense=None, "
-        "int dense_from=0) -> Tensor");
-  m.def("set_amx(bool enabled) -> ()", &set_amx);
-}
+// The schemas of the ops a graph calls are defined in Python (kiln/ops/cpu_fakes.py);
+// these install host state only (catch-all kernels).
+TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) { m.def("set_amx(bool enabled) -> ()", &set_amx); }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear_packed", &linear_packed);

@@ -276,10 +276,6 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   return y;
 }
 
-TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
-  m.def("linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, "
-        "int fmt, int panel_from) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear_quant", &linear_quant);

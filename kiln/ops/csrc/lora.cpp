@@ -202,9 +202,5 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
     lora_loops<c10::BFloat16>(y, x, lora_a, lora_b, sc, idx, slots, nr);
 }
 
-TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
-  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scaling, "
-        "Tensor indices) -> ()");
-}
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("lora_add_", &lora_add_); }

@@ -334,12 +334,6 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
         "Tensor seq_lens, Tensor query_start_loc, Tensor decode_reqs, Tensor prefill_reqs, "
         "int num_tokens) -> ()", &set_batch);
   m.def("clear_batch() -> ()", &clear_batch);
-  // The scale comes with the batch (per layer), not as an argument: Dynamo may turn a
-  // float module attribute into a symbolic input, which a C++ op cannot take. The layer
-  // index is a one-element tensor (a buffer of the layer), not an int: an int would be a
-  // constant in the graph, and the 30 decoder layers could not share one compiled region.
-  m.def("unified_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, "
-        "Tensor layer_index) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
