@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from kiln.bench.cases_linear import layer_shapes
 from kiln.bench.shapes import model_shapes
 from kiln.ops import cpu_kernels
+from kiln.ops.cpu_fakes import SCHEMAS
 from kiln.ops.linear import pack
 
 HERE = Path(__file__).resolve().parents[1] / "kiln" / "ops" / "csrc"
+_libraries: list[torch.library.Library] = []  # the renamed schemas, kept alive
 
 
 def build(csrc: Path, namespace: str) -> Callable[..., torch.Tensor]:
@@ -34,8 +36,11 @@ def build(csrc: Path, namespace: str) -> Callable[..., torch.Tensor]:
     from torch.utils.cpp_extension import load
 
     source = (csrc / "linear_bf16.cpp").read_text()
-    source = source.replace("TORCH_LIBRARY(kiln_cpu,", f"TORCH_LIBRARY({namespace},")
-    source = source.replace("TORCH_LIBRARY_IMPL(kiln_cpu,", f"TORCH_LIBRARY_IMPL({namespace},")
+    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+        source = source.replace(f"{macro}(kiln_cpu,", f"{macro}({namespace},")
+    if 'm.def("linear_packed' not in source:  # today's sources: the schema is Python's
+        _libraries.append(torch.library.Library(namespace, "FRAGMENT"))
+        _libraries[-1].define(SCHEMAS[0])
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
     work = Path(tempfile.gettempdir()) / f"kiln_linear_ab_{namespace}_{digest}"
     work.mkdir(exist_ok=True)

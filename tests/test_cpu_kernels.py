@@ -7,7 +7,7 @@ AVX2; build another class with KILN_CPU_ISA=avx512 or avx2 on a better host).
 """
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 import torch
@@ -157,17 +157,18 @@ def test_the_unity_build_compiles_every_source_once():
     assert not any({"linear_bf16.cpp", "linear_quant.cpp"} <= set(g) for g in UNITY_GROUPS)
 
 
-def _failing_build(monkeypatch, calls, delay=0.0):
+def _failing_build(monkeypatch, calls, until=None):
+    """The build fails (once `until` is set, if given); this process starts unloaded."""
     def failing_load(root, progress):
         calls.append(root)
-        time.sleep(delay)
+        if until is not None:
+            until.wait(timeout=60)
         raise RuntimeError("g++ exploded")
 
     monkeypatch.setattr(cpu_kernels, "_load", failing_load)
-    monkeypatch.setitem(cpu_kernels._state, "signature", None)
-    monkeypatch.setitem(cpu_kernels._state, "failed", None)
-    monkeypatch.setitem(cpu_kernels._state, "planned", None)
-    monkeypatch.setitem(cpu_kernels._state, "building", None)
+    monkeypatch.setattr(cpu_kernels, "_builder", [])
+    for key in ("signature", "failed", "planned", "building"):
+        monkeypatch.setitem(cpu_kernels._state, key, None)
     monkeypatch.setattr(cpu_kernels, "host_supports", lambda: None)
 
 
@@ -187,12 +188,27 @@ def test_a_failed_build_is_tried_once_and_a_background_start_only_when_due(
     assert cpu_kernels.start_loading(tmp_path / "fresh") is None  # one build at a time
     thread.join(timeout=30)
     assert not thread.is_alive() and calls[-1] == tmp_path / "fresh"
-    # The plan counted on the kernels while they built; their failure is the engine's to
-    # handle (it starts again without them), and nothing plans on them afterwards.
-    assert not cpu_kernels.planned() and cpu_kernels.planned_signature() is None
+    # The plan does not see the failure (half a plan each way would be compiled and
+    # cached under the kernels' key); whatever runs a kernel does, and the engine starts
+    # again without them.
+    assert cpu_kernels.planned()
     with pytest.raises(cpu_kernels.BuildFailed, match="g\\+\\+ exploded"):
         cpu_kernels.wait_planned()
+    assert not cpu_kernels.planned() and cpu_kernels.planned_signature() is None
     cpu_kernels.wait_planned()  # reported once
+    # The next process builds in line where this build failed: no restart at each start.
+    monkeypatch.setitem(cpu_kernels._state, "failed", None)
+    assert (cpu_kernels._target(tmp_path / "fresh").parent / cpu_kernels.FAILED).exists()
+    assert cpu_kernels.start_loading(tmp_path / "fresh") is None
+
+
+def test_a_build_that_failed_before_the_plan_costs_no_restart(monkeypatch, tmp_path):
+    calls = []
+    _failing_build(monkeypatch, calls)
+    cpu_kernels.start_loading(tmp_path).join(timeout=30)
+    assert not cpu_kernels.ensure_planned(tmp_path)  # settled, and not built again
+    assert len(calls) == 1 and not cpu_kernels.planned()
+    cpu_kernels.wait_planned()  # nothing planned on it: nothing to report
 
 
 def test_a_build_that_fails_beside_start_up_restarts_the_engine_without_kernels(
@@ -204,8 +220,15 @@ def test_a_build_that_fails_beside_start_up_restarts_the_engine_without_kernels(
     from conftest import hf_greedy
     from kiln import LLM, SamplingParams
 
-    calls = []
-    _failing_build(monkeypatch, calls, delay=0.5)
+    calls, needed = [], threading.Event()
+    _failing_build(monkeypatch, calls, until=needed)
+    wait = cpu_kernels.wait_planned
+
+    def first_needed():  # the build fails just as the compiled graph needs it
+        needed.set()
+        wait()
+
+    monkeypatch.setattr(cpu_kernels, "wait_planned", first_needed)
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))  # no library here: a build is due
     path, hf = tiny_models["llama"]
     with caplog.at_level("WARNING"):

@@ -26,12 +26,14 @@ from kiln.compiler.vec_isa import record_vec_isa, vec_isa_patch
 # compiler instead of 15.3 s on a machine without the header, 9.2 s on one with it, and
 # every later cold build saves the same (Zen 4, 2 cores). The flag adds a define to each
 # kernel's command line, so it is part of each kernel's cache key: loads set it as
-# compiles did, but with no header to precompile (`_no_header_precompiling`).
+# compiles did, but with no header to precompile (`_no_header_precompiling`). Inductor
+# checks a precompiled header with the `openssl` binary: without one, headers are not.
 # Size and alignment asserts re-check every graph input (each weight) and every extern
 # op's output on every call: ~600 checks in a SmolLM2 step, 5-10% of a batch-1 decode on
 # the CPU. The inputs are the runner's own persistent buffers and weights, and the extern
 # outputs are held to their fake implementations by tests/test_op_fakes.py instead.
-_INDUCTOR_PATCHES = {"cpp_cache_precompile_headers": True, "size_asserts": False,
+_INDUCTOR_PATCHES = {"cpp_cache_precompile_headers": shutil.which("openssl") is not None,
+                     "size_asserts": False,
                      "alignment_asserts": False}
 
 

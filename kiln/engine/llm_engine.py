@@ -2,6 +2,7 @@
 executor's workers (in process, or one process per tensor-parallel rank)."""
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -60,11 +61,19 @@ class LLMEngine:
     were."""
 
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        failure = None
         try:
             self._start(config, progress)
         except cpu_kernels.BuildFailed as exc:  # after the plan counted on the kernels
-            logger.warning("%s; starting again without them (slower, same outputs)", exc)
-            self._start(config, progress)
+            failure = str(exc)
+        if failure is None:
+            return
+        # Outside the handler: its traceback would keep the first runner (weights, KV
+        # cache) alive beside the second.
+        gc.collect()
+        logger.warning("%s; starting again without them (slower; an `auto` dtype becomes "
+                       "float32)", failure)
+        self._start(config, progress)
 
     def _start(self, config: EngineConfig, progress: bool) -> None:
         start = time.perf_counter()
@@ -77,7 +86,9 @@ class LLMEngine:
             probe_in_background()  # mp workers probe their own
         with phases("model files"):  # a GGUF file's one-time conversion lands here
             path = resolve_model(config.model, progress=progress)
-        if config.device == "cpu" and in_process:  # mp workers build (or wait) their own
+        if config.device == "cpu" and in_process and config.tensor_parallel_size == 1:
+            # mp workers build (or wait) their own; torchrun ranks too, in line: a rank
+            # that alone restarted after a failed build would desert the others.
             # A first start's g++ overlaps all up to the first kernel call; not the
             # conversion, which ran 3x slower beside it (kiln.ops.cpu_kernels).
             cpu_kernels.start_loading(default_cache_root())

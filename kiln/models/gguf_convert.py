@@ -224,8 +224,12 @@ def _tokenizer_class(gguf_path: Path, config: Any) -> Any:
     (0.3 s); anything else is left to `AutoTokenizer`. tests/test_gguf_convert.py checks
     that both write the same files."""
     from transformers import AutoTokenizer
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING, TokenizersBackend
 
+    try:  # transformers 5's names; an older one resolves the class itself
+        from transformers.models.auto.tokenization_auto import (TOKENIZER_MAPPING,
+                                                                TokenizersBackend)
+    except ImportError:
+        return AutoTokenizer
     if (gguf_path.parent / "tokenizer_config.json").exists() or \
             getattr(config, "tokenizer_class", None):
         return AutoTokenizer

@@ -59,11 +59,14 @@ ISA_FLAGS = {
 }
 LIB_NAME = "kiln_cpu_ops"
 
-_state: dict[str, str | None] = {"signature": None, "reason": "not requested"}
+# Every key present from the start: Dynamo reads this dict while tracing (`planned`).
+_state: dict[str, str | None] = {"signature": None, "reason": "not requested",
+                                 "failed": None, "building": None, "planned": None}
 # One loader at a time: a background build (start_loading) and a caller that needs the
 # kernels now meet here, and the second finds them loaded.
 _lock = threading.Lock()
-_builder: list[threading.Thread] = []  # this process's background build, while planned
+_plan_lock = threading.Lock()  # guards _builder and _state["building"]
+_builder: list[threading.Thread] = []  # this process's background build
 
 
 class BuildFailed(RuntimeError):
@@ -76,9 +79,9 @@ def cflags(isa: str) -> list[str]:
 
 def signature() -> str:
     """What a build depends on; part of the compile-cache key while the kernels are in
-    use, since compiled graphs call them."""
+    use, since compiled graphs call them. The ops' schemas (cpu_fakes.py) count too."""
     h = hashlib.sha256()
-    for src in (*SOURCES, *HEADERS):
+    for src in (*SOURCES, *HEADERS, Path(__file__).with_name("cpu_fakes.py")):
         h.update(src.read_bytes())
     h.update(repr((cflags(isa_class()), torch.__version__)).encode())
     return h.hexdigest()[:16]
@@ -109,26 +112,29 @@ def loaded() -> bool:
     return _state["signature"] is not None
 
 
-def loaded_signature() -> str | None:
-    return _state["signature"]
-
-
 def planned() -> bool:
     """Loaded, or being built on this process's background thread: what a model's plan
     (its weight formats, the graph's ops, the compile-cache key) decides on. Whatever
-    runs a kernel waits for it first (`wait_planned`)."""
+    runs a kernel waits for it first (`wait_planned`). A failure does not show here but
+    there: a plan half made with the kernels and half without would be compiled and
+    cached under the kernels' key."""
     # Plain dict reads: Dynamo traces this (kiln.ops.linear), and guards it builds on a
     # list's items would fail once the list is emptied.
-    return loaded() or (bool(_state.get("building")) and _state.get("failed") is None)
+    return _state["signature"] is not None or _state["building"] is not None
 
 
 def planned_signature() -> str | None:
-    return _state["signature"] or (_state.get("planned") if planned() else None)
+    return _state["signature"] or (_state["planned"] if planned() else None)
 
 
 def ensure_planned(cache_root: Path, progress: bool = False) -> bool:
     """`planned()`, loading (building first if needed) in this thread when no background
-    build is under way."""
+    build is under way. A background build that already ended is settled first, so a
+    quick failure (a compiler refusing a flag) costs no restart."""
+    with _plan_lock:
+        if _builder and not _builder[0].is_alive():
+            _builder[0].join()
+            _state["building"] = None
     return planned() or ensure_loaded(cache_root, progress)
 
 
@@ -150,11 +156,17 @@ def beside_build() -> Iterator[None]:
 
 def wait_planned() -> None:
     """Before anything runs a kernel: wait for a background build. If it failed after
-    the engine had planned on it, raise BuildFailed (the engine starts again without)."""
-    if not _builder:
+    the engine had planned on it, raise BuildFailed (the engine starts again without).
+    Engines built on several threads may all wait here: the thread is joined, not taken."""
+    with _plan_lock:
+        thread = _builder[0] if _builder and _state["building"] else None
+    if thread is None:
         return
-    _builder.pop().join()
-    _state["building"] = None
+    thread.join()
+    with _plan_lock:
+        if _state["building"] is None:  # another waiter settled it first
+            return
+        _state["building"] = None
     if not loaded():
         raise BuildFailed(f"kiln's CPU kernels: {_state['reason']}")
 
@@ -186,15 +198,19 @@ def start_loading(cache_root: Path) -> threading.Thread | None:
     torch work off the second core meanwhile. Call it only where this process runs the
     model: its plan (`planned`) counts on the thread. Nothing to overlap when the library
     is built: loading it takes milliseconds."""
-    if loaded() or host_supports() is not None or _target(cache_root).exists() \
-            or _builder or _state.get("failed") is not None:
-        return None
-    define_ops()
-    _state["planned"], _state["building"] = signature(), "1"
-    thread = threading.Thread(target=ensure_loaded, args=(cache_root, False),
-                              name="kiln-cpu-kernels", daemon=True)
-    _builder.append(thread)
-    thread.start()
+    target = _target(cache_root)
+    if loaded() or host_supports() is not None or target.exists() \
+            or _state["failed"] is not None or (target.parent / FAILED).exists():
+        return None  # a build that failed once here runs in line: no restart each time
+    with _plan_lock:
+        if _builder:
+            return None
+        define_ops()
+        _state["planned"], _state["building"] = signature(), "1"
+        thread = threading.Thread(target=ensure_loaded, args=(cache_root, False),
+                                  name="kiln-cpu-kernels", daemon=True)
+        _builder.append(thread)
+        thread.start()
     return thread
 
 
@@ -220,9 +236,22 @@ def _ensure_loaded(cache_root: Path, progress: bool) -> bool:
         except Exception as exc:  # a failed build costs speed, never correctness
             reason = f"build failed ({type(exc).__name__}: {str(exc)[:500]})"
             _state["failed"] = str(cache_root)
+            _mark_failed(cache_root, reason)
     _state["reason"] = reason
     logger.info("kiln CPU kernels not used: %s", reason)
     return False
+
+
+FAILED = "build.failed"  # beside the library: this build failed on this machine
+
+
+def _mark_failed(cache_root: Path, reason: str) -> None:
+    try:  # optional: a read-only cache only means a background build again next time
+        marker = _target(cache_root).parent / FAILED
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(reason + "\n")
+    except OSError:
+        pass
 
 
 def _target(cache_root: Path) -> Path:
@@ -236,6 +265,7 @@ def _load(cache_root: Path, progress: bool) -> None:
     with FileLock(str(target.parent / "build.lock")):
         if not target.exists():
             _build(target, progress)
+            (target.parent / FAILED).unlink(missing_ok=True)
     define_ops()
     torch.ops.load_library(str(target))
     # AMX tiles need the kernel's permission per process; without it (or in a build for
@@ -247,7 +277,7 @@ def _load(cache_root: Path, progress: bool) -> None:
 # The unity build's translation units: each #includes its sources in this order. Each
 # .cpp costs about 4-6 s of g++ on ATen's headers alone (they include what they use of
 # ATen, `ATen/core/Tensor.h` and per-operator headers, rather than all of `ATen/ATen.h`),
-# so eight files took 37 s on two cores where these two units take about 15 s (Zen 4),
+# so eight files took 37 s on two cores where these two units take about 11 s (Zen 4),
 # balanced by measured compile time: paged attention is the heaviest source. The grouping
 # is fixed, not per core count, because sources share file-local names across units:
 # linear_bf16.cpp's AVX2 panel (PanelFn, kPanel) and linear_quant.cpp's must never meet
@@ -271,7 +301,7 @@ def _build(target: Path, progress: bool) -> None:
     from torch.utils.cpp_extension import load
     from tqdm import tqdm
 
-    logger.info("building kiln's CPU kernels (one-off, about 15 s) into %s", target.parent)
+    logger.info("building kiln's CPU kernels (one-off, about 12 s) into %s", target.parent)
     start = time.perf_counter()
     # The ninja that pip installed sits beside this interpreter, which need not be on PATH.
     scripts = sysconfig.get_path("scripts")

@@ -84,8 +84,6 @@ class ModelRunner:
         # With speculation, uniform decode also comes as 1 + k tokens per request.
         self._spec_k = speculative.num_speculative_tokens if speculative else 0
         self._init_forward(compilation, lora, progress)
-        with phases("kernels"):  # eager: still building beside the weights' load
-            cpu_kernels.wait_planned()
         with phases("drafter"):
             self.drafter = None if speculative is None else make_drafter(
                 speculative, self, draft_model_config, compilation, attention_backend,
@@ -145,6 +143,8 @@ class ModelRunner:
                     lora=lora.cache_key() if lora else None,
                     weight_plan=plan_signature(self.model))
                 self._compile_now()
+        with self.phases("kernel wait"):  # -O0: the build ran beside the weights' load
+            cpu_kernels.wait_planned()  # (a compile waited for it before running)
         self.graph_capture_s = 0.0
         if self.dispatcher.mode:
             with self.phases("graphs"):
