@@ -52,10 +52,12 @@ def test_tiny_budget_and_preemption_keep_parity(smollm2_dir, prompts, references
     # cannot hold 8 requests of ~100 tokens at once, so requests are preempted.
     llm = LLM(str(smollm2_dir), dtype="float32", progress=False, optimization_level=0, max_num_batched_tokens=32,
               num_kv_blocks=20, max_model_len=256)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW),
+    # Half the new tokens (greedy answers are prefixes of the longer ones): the prefills
+    # and their preemptions are the point, and eager float32 decode steps are slow.
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW // 2),
                         use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == references
+    assert [o.outputs[0].token_ids for o in outs] == [r[:MAX_NEW // 2] for r in references]
 
 
 def test_o1_compiled_matches_transformers(smollm2_dir, prompts, references):
