@@ -31,7 +31,9 @@ run: $(STAMP)
 # Two pytest workers (pytest-xdist), one test file at a time each, so a module's fixtures
 # are built once: most of the suite waits on single-threaded Python (Dynamo, Inductor's
 # code generation, subprocesses), and two workers took a cold run on 2 cores from 15:11
-# to 12:43. Files go out longest first (tests/conftest.py), not by test count.
+# to 12:43. Handing the files out longest first instead was slower (a fresh clone's
+# suite 8:47 -> 12:16, 16 -> 23 CPU-minutes): the multi-process files then all ran at
+# once and fought over the two cores.
 # First the house's contracts (docs/architecture.md): the import-linter layers in
 # pyproject.toml, and no import circle among kiln's modules (lazy imports counted).
 test: $(STAMP)
@@ -41,7 +43,7 @@ test: $(STAMP)
 	$(KILN) warmup -O2; rc=$$?; \
 	if wait $$fp32; then tail -n 6 $(VENV)/warmup-float32.log; \
 	else cat $(VENV)/warmup-float32.log; rc=1; fi; exit $$rc
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # Micro-benchmarks of the hot ops and of a compiled decoder piece (pytest-benchmark, never
 # collected by `make test`), then kiln vs transformers on SmolLM2 (batch 1, 32 requests).

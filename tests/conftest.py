@@ -150,19 +150,3 @@ def smollm2_hf(smollm2_dir: Path):
     model.generation_config.repetition_penalty = 1.0
     return model.eval()
 
-
-# The longest files by measured seconds (one `make test` run, Zen 4, 2 workers), longest
-# first. xdist hands out one file at a time in collection order (`make test` passes
-# --no-loadscope-reorder: its default order, most tests first, had put the 80-s SmolLM2
-# parity file last), so the longest start first and the many short ones fill the end.
-_LONGEST_FIRST = ("test_parity_levels.py", "test_tensor_parallel.py", "test_bench.py",
-                  "test_parity_smollm2.py", "test_cli.py", "test_compile_cache.py",
-                  "test_plugins.py", "test_hybrid_kv.py", "test_spec_smollm2.py",
-                  "test_moe.py", "test_parity_tiny.py", "test_kv_transfer.py",
-                  "test_server_structured.py", "test_gguf_convert.py",
-                  "test_quantization.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files whole
