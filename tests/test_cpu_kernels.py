@@ -167,7 +167,7 @@ def _failing_build(monkeypatch, calls, until=None):
 
     monkeypatch.setattr(cpu_kernels, "_load", failing_load)
     monkeypatch.setattr(cpu_kernels, "_builder", [])
-    for key in ("signature", "failed", "planned", "building"):
+    for key in ("signature", "failed", "building"):
         monkeypatch.setitem(cpu_kernels._state, key, None)
     monkeypatch.setattr(cpu_kernels, "host_supports", lambda: None)
 

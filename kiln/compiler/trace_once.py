@@ -41,7 +41,7 @@ class TraceOnceModel:
         self._compiled = None
         if self._direct is not None:  # warm: the next call runs kernels (a cold one
             cpu_kernels.wait_planned()  # waits in the backend, after compiling)
-        if self._direct is None:
+        else:
             # Each engine traces its model class's `forward` once, but Dynamo counts every
             # trace of one code object as a recompile: without this the ninth cold engine
             # in a process (a test suite, a notebook, a server swapping models) would fail.

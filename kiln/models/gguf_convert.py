@@ -202,7 +202,8 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, config: Any) -> None:
     tokenizer = _tokenizer_class(gguf_path, config).from_pretrained(
         str(gguf_path.parent.resolve()), gguf_file=gguf_path.name, local_files_only=True
     )
-    tokenizer.model_max_length = config.max_position_embeddings  # otherwise an "infinite" sentinel is saved
+    # Otherwise an "infinite" sentinel is saved.
+    tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)
 
     def drop_load_time_flags(data: dict[str, Any]) -> None:

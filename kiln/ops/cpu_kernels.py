@@ -30,8 +30,8 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from filelock import FileLock
@@ -61,7 +61,7 @@ LIB_NAME = "kiln_cpu_ops"
 
 # Every key present from the start: Dynamo reads this dict while tracing (`planned`).
 _state: dict[str, str | None] = {"signature": None, "reason": "not requested",
-                                 "failed": None, "building": None, "planned": None}
+                                 "failed": None, "building": None}
 # One loader at a time: a background build (start_loading) and a caller that needs the
 # kernels now meet here, and the second finds them loaded.
 _lock = threading.Lock()
@@ -124,17 +124,15 @@ def planned() -> bool:
 
 
 def planned_signature() -> str | None:
-    return _state["signature"] or (_state["planned"] if planned() else None)
+    return _state["signature"] or (signature() if planned() else None)
 
 
 def ensure_planned(cache_root: Path, progress: bool = False) -> bool:
     """`planned()`, loading (building first if needed) in this thread when no background
     build is under way. A background build that already ended is settled first, so a
     quick failure (a compiler refusing a flag) costs no restart."""
-    with _plan_lock:
-        if _builder and not _builder[0].is_alive():
-            _builder[0].join()
-            _state["building"] = None
+    if _builder and not _builder[0].is_alive():
+        _settle()
     return planned() or ensure_loaded(cache_root, progress)
 
 
@@ -158,17 +156,23 @@ def wait_planned() -> None:
     """Before anything runs a kernel: wait for a background build. If it failed after
     the engine had planned on it, raise BuildFailed (the engine starts again without).
     Engines built on several threads may all wait here: the thread is joined, not taken."""
+    if _settle() and not loaded():
+        raise BuildFailed(f"kiln's CPU kernels: {_state['reason']}")
+
+
+def _settle() -> bool:
+    """Join this process's background build and end the plan that counted on it; True
+    for the one caller that ended it."""
     with _plan_lock:
         thread = _builder[0] if _builder and _state["building"] else None
     if thread is None:
-        return
+        return False
     thread.join()
     with _plan_lock:
-        if _state["building"] is None:  # another waiter settled it first
-            return
+        if _state["building"] is None:  # another caller settled it first
+            return False
         _state["building"] = None
-    if not loaded():
-        raise BuildFailed(f"kiln's CPU kernels: {_state['reason']}")
+        return True
 
 
 def unavailable_reason() -> str | None:
@@ -206,7 +210,7 @@ def start_loading(cache_root: Path) -> threading.Thread | None:
         if _builder:
             return None
         define_ops()
-        _state["planned"], _state["building"] = signature(), "1"
+        _state["building"] = "1"
         thread = threading.Thread(target=ensure_loaded, args=(cache_root, False),
                                   name="kiln-cpu-kernels", daemon=True)
         _builder.append(thread)

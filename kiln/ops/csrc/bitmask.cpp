@@ -69,5 +69,4 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& rows,
   });
 }
 
-
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("apply_token_bitmask_", &apply_token_bitmask_); }

@@ -62,5 +62,4 @@ at::Tensor greedy_argmax(const at::Tensor& logits) {
   return out;
 }
 
-
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("greedy_argmax", &greedy_argmax); }

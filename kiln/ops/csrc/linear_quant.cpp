@@ -276,7 +276,6 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   return y;
 }
 
-
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear_quant", &linear_quant);
 }

@@ -202,5 +202,4 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
     lora_loops<c10::BFloat16>(y, x, lora_a, lora_b, sc, idx, slots, nr);
 }
 
-
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) { m.impl("lora_add_", &lora_add_); }
