@@ -34,6 +34,10 @@ run: $(STAMP)
 # to 12:43. Handing the files out longest first instead was slower (a fresh clone's
 # suite 8:47 -> 12:16, 16 -> 23 CPU-minutes): the multi-process files then all ran at
 # once and fought over the two cores.
+# Each worker runs torch single-threaded (OMP_NUM_THREADS=1; the servers and engines the
+# tests start inherit it): two workers of two OpenMP threads each on two cores spent their
+# time in spinning barriers (warm suite 7:44 -> 6:30, 12.3 -> 9.6 CPU-minutes). Tests of
+# kiln's C++ kernels still run at the host's thread count (tests/conftest.py).
 # First the house's contracts (docs/architecture.md): the import-linter layers in
 # pyproject.toml, and no import circle among kiln's modules (lazy imports counted).
 test: $(STAMP)
@@ -43,7 +47,7 @@ test: $(STAMP)
 	$(KILN) warmup -O2; rc=$$?; \
 	if wait $$fp32; then tail -n 6 $(VENV)/warmup-float32.log; \
 	else cat $(VENV)/warmup-float32.log; rc=1; fi; exit $$rc
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # Micro-benchmarks of the hot ops and of a compiled decoder piece (pytest-benchmark, never
 # collected by `make test`), then kiln vs transformers on SmolLM2 (batch 1, 32 requests).

@@ -60,6 +60,24 @@ def cpu_kernels_loaded() -> None:
         pytest.skip(f"kiln's CPU kernels are unavailable: {reason}")
 
 
+@pytest.fixture(autouse=True)
+def _kernel_threads(request: pytest.FixtureRequest):
+    """`make test` runs each worker single-threaded (OMP_NUM_THREADS=1, see the Makefile);
+    a test of kiln's C++ kernels runs at the host's thread count (two at least), as users
+    run them, so the kernels' splits of work over threads stay covered."""
+    if "cpu_kernels_loaded" not in request.fixturenames:
+        yield
+        return
+    from kiln.platforms.cpu import cpu_threads_per_rank
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, cpu_threads_per_rank(1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     """kind -> (directory, transformers model), built once per session."""
