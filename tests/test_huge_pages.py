@@ -115,7 +115,8 @@ def test_kv_cache_backs_its_first_blocks_at_start_up_and_the_rest_on_use():
     from kiln.runner.kv_alloc import allocate_kv_cache
 
     spec = FullAttentionSpec(16, 3, 64, torch.bfloat16)
-    buffer, slots = allocate_kv_cache(spec, 2, 4096, torch.device("cpu"))
+    buffer, slots, ready = allocate_kv_cache(spec, 2, 4096, torch.device("cpu"))
+    ready.join()
     # 2 layers x keys/values, 24 MiB each: the first page (or two, where a region starts
     # mid-page) of each is backed, nothing else.
     backed = anon_huge_kib(buffer.data_ptr())

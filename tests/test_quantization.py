@@ -20,8 +20,8 @@ from kiln.compiler.counter import compilation_counter
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear_quant
 from kiln.ops.quant_packing import (FP8, INT8, Q4, Q8, dequantize, int8_activations, pack_q4,
-                                    pack_q8, quantize_fp8, quantize_int8, quantize_int8_groups,
-                                    unpack_codes)
+                                    pack_q4_bytes, pack_q8, quantize_fp8, quantize_int8,
+                                    quantize_int8_groups, unpack_codes)
 from kiln.quantization.gguf_weights import decode
 from kiln.quantization.plan import DIRECT, PANEL, layer_panel_from, panel_from_times
 from kiln.quantization.resolve import resolve_quantization
@@ -117,6 +117,12 @@ def test_gguf_blocks_repack_bit_for_bit(qtype):
     w = pack_q8(q, dt) if m is None else pack_q4(q, dt, torch.from_numpy(m))
     expected = gguf.quants.dequantize(blocks, t).reshape(48, 96)
     np.testing.assert_array_equal(dequantize(w).numpy(), expected)
+    if m is not None:  # the load's path: the file's bytes repacked without unpacking
+        qs, _, _ = decode(tensor, q4_bytes=True)
+        direct = pack_q4_bytes(torch.from_numpy(qs), dt, torch.from_numpy(m))
+        assert all(torch.equal(a, b) for a, b in ((direct.codes, w.codes),
+                                                  (direct.scales, w.scales),
+                                                  (direct.mins, w.mins)))
 
 
 def test_resolution_and_conflicts(tmp_path: Path, tiny_models):

@@ -95,6 +95,18 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> QuantWeight:
                        _group_tile(m.to(torch.float16)))
 
 
+def pack_q4_bytes(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> QuantWeight:
+    """GGUF's own 4-bit bytes [N, K/2] (byte j of a 32-column group holds codes j and
+    j + 16, the pairing of kiln's Q4 tile bytes), fp16 group scales and offsets [N, K/32]:
+    `pack_q4`'s result in one permuting copy, with no codes unpacked (a third of the
+    default model's repacking at each start)."""
+    n, groups = qs.shape[0], qs.shape[1] // 16
+    # [nb, c, kc, j // 4, j % 4] -> [nb, kc, j // 4, c, j % 4], as pack_q4 lays them out.
+    codes = qs.view(n // 16, 16, groups, 4, 4).permute(0, 2, 3, 1, 4)
+    return QuantWeight(Q4, codes.reshape(n // 16, groups, 256),
+                       _group_tile(d.to(torch.float16)), _group_tile(m.to(torch.float16)))
+
+
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] as the direct Q4 kernel of AVX512-BF16 and AVX2 builds sees it (llama.cpp's
     Q8_1 scheme): each row's 32-column chunks quantized to int8, s = max|x| / 127,

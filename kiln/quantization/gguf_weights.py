@@ -20,7 +20,7 @@ from torch import nn
 
 from kiln.models.gguf_arch import (EXPERT_STACKS, GGUFArch, architecture, hf_name,
                                    unpermute_rope_rows)
-from kiln.ops.quant_packing import QuantWeight, pack_q4, pack_q8, packable_shape
+from kiln.ops.quant_packing import QuantWeight, pack_q4_bytes, pack_q8, packable_shape
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +28,11 @@ _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 _FAMILY = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4"}
 
 
-def decode(tensor: object) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def decode(tensor: object, q4_bytes: bool = False
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A GGUF tensor's (codes [N, K], fp16 scales [N, K/32], fp16 offsets or None),
-    with value = code * scale (+ offset); Q4_0's offset is -8 * scale."""
+    with value = code * scale (+ offset); Q4_0's offset is -8 * scale. `q4_bytes`: a Q4
+    tensor's codes stay the file's packed bytes [N, K/2] (`pack_q4_bytes` takes them)."""
     kind = tensor.tensor_type.name  # type: ignore[attr-defined]
     data = np.asarray(tensor.data)  # type: ignore[attr-defined]  # [N, bytes per row]
     n = data.shape[0]
@@ -44,6 +46,8 @@ def decode(tensor: object) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     m = (np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0] if kind == "Q4_1"
          else (d.astype(np.float32) * -8).astype(np.float16))
     qs = b[..., head:]
+    if q4_bytes:
+        return qs.reshape(n, -1), d, m
     codes = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(n, -1)
     return codes, d, m
 
@@ -86,7 +90,7 @@ def _layer_tensors(model: nn.Module, reader: object,
 def _pack(model: nn.Module, parts: list[tuple[object, str]], arch: GGUFArch) -> QuantWeight:
     decoded = []
     for tensor, kind in parts:
-        codes, d, m = decode(tensor)
+        codes, d, m = decode(tensor, q4_bytes=True)  # rows move whole either way
         heads = _rope_heads(kind, model, arch)
         if heads is not None:
             codes, d = unpermute_rope_rows(codes, heads), unpermute_rope_rows(d, heads)
@@ -96,7 +100,7 @@ def _pack(model: nn.Module, parts: list[tuple[object, str]], arch: GGUFArch) -> 
     q, d = torch.from_numpy(cat[0]), torch.from_numpy(cat[1])
     if decoded[0][2] is None:
         return pack_q8(q, d)
-    return pack_q4(q, d, torch.from_numpy(np.concatenate([m for _, _, m in decoded])))
+    return pack_q4_bytes(q, d, torch.from_numpy(np.concatenate([m for _, _, m in decoded])))
 
 
 def gguf_linears(model: nn.Module, path: Path) -> tuple[dict[str, QuantWeight], list[str]]:

@@ -111,6 +111,7 @@ class ModelRunner:
                             self.dtype, self.device, kv_cache_memory, num_kv_blocks)
         self.kv_groups, self.kv_spec, self.layer_groups = kv.groups, kv.spec, kv.layer_groups
         self.num_kv_blocks, self._kv_buffer, self.kv_caches = kv.num_blocks, kv.buffer, kv.caches
+        self._kv_ready = kv.ready  # joined before the first forward that writes the cache
         logger.info("attention backend %s; %s", backend_cls.name, kv.describe())
 
     def _init_lora(self, lora: LoRAConfig | None) -> None:
@@ -145,6 +146,8 @@ class ModelRunner:
                 self._compile_now()
         with self.phases("kernel wait"):  # -O0: the build ran beside the weights' load
             cpu_kernels.wait_planned()  # (a compile waited for it before running)
+            if self._kv_ready is not None:  # _compile_now's forwards wrote no KV
+                self._kv_ready.join()
         self.graph_capture_s = 0.0
         if self.dispatcher.mode:
             with self.phases("graphs"):
