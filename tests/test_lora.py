@@ -262,6 +262,70 @@ def test_bad_adapters_fail_alone(tiny_models, adapters, prompts, references, tmp
     assert "already names adapter 'a1'" in outs[5].error
 
 
+def test_an_adapter_whose_files_vanish_after_it_was_added_fails_only_its_requests(
+        tiny_models, adapters, prompts, references, tmp_path):
+    """The engine checks an adapter's files when a request first names it; the worker
+    reads them again when it makes the adapter resident. Gone by then, they fail that
+    adapter's requests alone: the batch's other requests finish exactly, the engine
+    serves on, and the next request naming the adapter is refused when it is added.
+    The KV the failed rows wrote (without their adapter) reaches neither the prefix
+    cache nor the disk tier, though a1 has the same files and so the same block keys."""
+    import shutil
+
+    from kiln.lora.request import LoRAError
+
+    shutil.copytree(adapters["a1"][0].lora_path, tmp_path / "a1")
+    doomed = LoRARequest("a1-copy", 9, str(tmp_path / "a1"))
+    tier = {"kv_connector": "disk", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"path": str(tmp_path / "tier")}}
+    llm = tiny_llm(tiny_models, kv_transfer_config=tier)
+    engine = llm.engine
+    engine.add_request("doomed", {"prompt_token_ids": prompts[0]}, GREEDY,
+                       lora_request=doomed)
+    engine.add_request("base", {"prompt_token_ids": prompts[1]}, GREEDY)
+    engine.add_request("a2", {"prompt_token_ids": prompts[2]}, GREEDY,
+                       lora_request=adapters["a2"][0])
+    shutil.rmtree(tmp_path / "a1")
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert "LoRA adapter 9 could not be loaded" in finals["doomed"].error
+    assert finals["base"].outputs[0].token_ids == references[None][1]
+    assert finals["a2"].outputs[0].token_ids == references["a2"][2]
+    with pytest.raises(LoRAError, match="missing adapter_config.json"):
+        engine.add_request("again", {"prompt_token_ids": prompts[0]}, GREEDY,
+                           lora_request=doomed)
+    assert run(llm, prompts[:2], [adapters["a1"][0], None]) == \
+        [references["a1"][0], references[None][1]]
+    llm.engine.flush_kv_saves()
+    llm.shutdown()
+    fresh = tiny_llm(tiny_models, kv_transfer_config=tier)
+    assert run(fresh, prompts[:1], [adapters["a1"][0]]) == [references["a1"][0]]
+    assert fresh.engine.get_stats().kv_transfer.blocks_loaded > 0
+
+
+def test_a_persistent_kv_tier_keys_blocks_by_the_adapters_files_not_their_ids(
+        tiny_models, adapters, prompts, references, tmp_path):
+    """A restarted engine may give an id to another adapter. The disk tier outlives the
+    engine, so blocks are keyed by what an adapter's files hold: a2 under a1's old id
+    reads none of a1's blocks, and a1 under a new id finds its own."""
+    tier = {"kv_connector": "disk", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"path": str(tmp_path / "tier")}}
+    a1, a2 = adapters["a1"][0], adapters["a2"][0]
+    first = tiny_llm(tiny_models, kv_transfer_config=tier)
+    assert run(first, prompts, [a1] * len(prompts)) == references["a1"]
+    first.engine.flush_kv_saves()
+    assert first.engine.get_stats().kv_transfer.blocks_saved > 0
+    first.shutdown()
+    again = tiny_llm(tiny_models, kv_transfer_config=tier)
+    swapped = LoRARequest("a2", a1.lora_int_id, a2.lora_path)
+    assert run(again, prompts, [swapped] * len(prompts)) == references["a2"]
+    assert again.engine.get_stats().kv_transfer.blocks_loaded == 0
+    moved = LoRARequest("a1", 7, a1.lora_path)
+    assert run(again, prompts, [moved] * len(prompts)) == references["a1"]
+    assert again.engine.get_stats().kv_transfer.blocks_loaded > 0
+
+
 def test_lora_misconfiguration(tiny_models, adapters):
     path = str(tiny_models["llama"][0])
     with pytest.raises(ValueError, match="max_loras"):

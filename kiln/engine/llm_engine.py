@@ -150,8 +150,10 @@ class LLMEngine:
             raise
         kv = KVCacheManager(self.executor.kv_groups, self.executor.num_kv_blocks,
                             enable_caching=config.enable_prefix_caching)
-        # Block hashes also name blocks in a KV connector's tier.
-        self._hasher = BlockHasher(config.block_size) \
+        # Block hashes also name blocks in a KV connector's tier (which outlives the
+        # engine: adapters count there by their files, not their ids).
+        keys = self.loras.keys if self.loras else None
+        self._hasher = BlockHasher(config.block_size, keys) \
             if config.enable_prefix_caching or kvt is not None else None
         self.kv_connector = None if kvt is None else connector_for(
             kvt, KVConnectorRole.SCHEDULER, fingerprint, self.executor.kv_spec,
@@ -299,6 +301,17 @@ class LLMEngine:
             self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
             self.output_processor.remove(rid)
 
+    def _fail_adapters(self, failed: dict[int, str]) -> None:
+        """Adapters a worker could not load (their files changed or vanished after the
+        engine checked them): their requests fail alone, and the engine forgets them, so
+        the next request naming one checks its files again."""
+        for lid, why in failed.items():
+            self.loras.forget(lid)
+            ids = [rid for rid, r in self.scheduler.requests.items() if r.lora_int_id == lid]
+            logger.warning("LoRA adapter %d failed to load in a worker (%s); %d request(s) "
+                           "fail", lid, why, len(ids))
+            self.scheduler.fail_requests(ids, f"LoRA adapter {lid} could not be loaded: {why}")
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -341,6 +354,8 @@ class LLMEngine:
             self.scheduler.idle_wait(timeout_s=0.05)
         else:
             runner_out = self.executor.execute(so)
+            if runner_out.failed_loras:
+                self._fail_adapters(runner_out.failed_loras)
         self._maybe_log_stats()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         core_outputs += self.scheduler.take_errors()  # failed alone while scheduling

@@ -172,8 +172,12 @@ class OutputProcessor:
         if delta and group.prompt_logprobs_sent:
             prompt_lp = None
         group.prompt_logprobs_sent = True
+        # A sample that failed alone (its grammar, its adapter) carries the message.
+        error = next((s.stop_reason for s in group.samples if s.finish_reason == "error"),
+                     None)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
                              completions, finished, prompt_logprobs=prompt_lp,
+                             error=error if isinstance(error, str) else None,
                              metrics={"arrival_time": group.arrival_time,
                                       "first_token_time": group.first_token_time})
 

@@ -138,6 +138,11 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached.setdefault(block_hash, block)
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            if not block.is_null:
+                self._evict(block)
+
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block. Blocks reaching zero join the queue: hashed
         ones at the tail in the given order (callers pass a request's tail blocks first, so

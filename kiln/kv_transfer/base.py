@@ -89,6 +89,12 @@ class KVConnectorMetadata:
     save_hashes: list[bytes] = field(default_factory=list)
     save_block_ids: list[int] = field(default_factory=list)
 
+    def drop_saves(self, block_ids: set[int]) -> None:
+        """Save none of these blocks (their KV is wrong: an adapter failed to load)."""
+        kept = [(h, b) for h, b in zip(self.save_hashes, self.save_block_ids)
+                if b not in block_ids]
+        self.save_hashes, self.save_block_ids = [h for h, _ in kept], [b for _, b in kept]
+
 
 class KVConnector:
     """A connector over a `BlockStore`; subclasses say which store each role uses."""
@@ -215,6 +221,12 @@ class KVConnector:
         self._recent[block_hash] = None
         if len(self._recent) > _RECENT_SAVES:
             self._recent.popitem(last=False)
+
+    def forget_saves(self, block_hashes: list[bytes]) -> None:
+        """These blocks' saves were dropped (their KV was wrong): save them again when a
+        request computes them right."""
+        for block_hash in block_hashes:
+            self._recent.pop(block_hash, None)
 
     def request_finished(self, request: Request) -> bool:
         rid = request.request_id

@@ -9,6 +9,7 @@ fix, raised before anything touches the engine's slots.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -76,6 +77,18 @@ def load_adapter(request: LoRARequest, targets: dict[str, Linear],
     if not modules:
         raise LoRAError(f"{where}: the adapter holds no LoRA weights")
     return LoRAAdapter(request, rank, modules)
+
+
+def adapter_fingerprint(path: str) -> bytes:
+    """What an adapter's files hold, hashed: the KV its requests compute depends on it, so
+    it keys their prefix-cache blocks (in memory and in a persistent KV tier, where an id
+    from an earlier process may have named another adapter). Read once per registration."""
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
+        file = Path(path) / name
+        if file.is_file():
+            h.update(name.encode() + b"\0" + file.read_bytes())
+    return h.digest()[:16]
 
 
 def _read_config(root: Path, where: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from torch import nn
 from kiln.config.lora import LoRAConfig
 from kiln.lora.adapter import LoRAAdapter, load_adapter
 from kiln.lora.layers import clear_slot, install_slots, write_slot
-from kiln.lora.request import LoRARequest
+from kiln.lora.request import LoRAError, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,15 @@ class LoRAManager:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.num_loads = 0  # adapters read from disk
         self.num_slot_writes = 0  # adapters copied into a slot
+        self.failed: dict[int, str] = {}  # this step's adapters that failed to load
         logger.info("LoRA: %d slots of rank %d on %d linears, CPU cache of %d adapters",
                     cfg.max_loras, cfg.max_lora_rank, len(self.targets), cfg.cpu_capacity)
 
     def activate(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
-        """Make every adapter in `requests` resident; return {lora_int_id: slot}."""
+        """Make every adapter in `requests` resident; return {lora_int_id: slot}. An
+        adapter that no longer loads (the engine checked its files when it was added;
+        they may have gone since) gets slot -1 and its message in `failed`: its rows
+        run on the base model and the engine fails its requests alone."""
         wanted: dict[int, LoRARequest] = {r.lora_int_id: r for r in requests}
         if len(wanted) > self.cfg.max_loras:
             raise RuntimeError(f"a step needs {len(wanted)} adapters but there are "
@@ -45,10 +49,16 @@ class LoRAManager:
         for lid in wanted:
             if lid in self.slot_of:
                 self.slot_of.move_to_end(lid)
+        self.failed = {}
         for lid, request in wanted.items():
             if lid not in self.slot_of:
-                self._place(self._adapter(request), set(wanted))
-        return {lid: self.slot_of[lid] for lid in wanted}
+                try:
+                    adapter = self._adapter(request)
+                except LoRAError as exc:  # its files changed or vanished since the check
+                    self.failed[lid] = str(exc)
+                    continue
+                self._place(adapter, set(wanted))
+        return {lid: self.slot_of.get(lid, -1) for lid in wanted}
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (unload): its slot is cleared, its CPU copy dropped."""

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from kiln.config.lora import LoRAConfig
-from kiln.lora.adapter import load_adapter
+from kiln.lora.adapter import adapter_fingerprint, load_adapter
 from kiln.lora.layers import lora_targets
 from kiln.lora.request import LoRAError, LoRARequest
 from kiln.models.model_config import ModelConfig
@@ -32,6 +32,8 @@ class AdapterRegistry:
         # another adapter that reuses it.
         self.retired: dict[int, LoRARequest] = {}
         self.request_counts: Counter[str] = Counter()  # requests per adapter name
+        # lora_int_id -> the adapter's fingerprint: its requests' first-block hash key.
+        self.keys: dict[int, bytes] = {}
 
     def check(self, request: LoRARequest) -> None:
         """Raise LoRAError unless `request` names a usable adapter; checked once per id
@@ -44,6 +46,7 @@ class AdapterRegistry:
         if lid in self.known:
             return
         load_adapter(request, self._targets, self._checkpoint_name, self.cfg.max_lora_rank)
+        self.keys[lid] = adapter_fingerprint(request.lora_path)
         self.retired.pop(lid, None)
         self.known[lid] = request
 

@@ -43,7 +43,7 @@ from kiln.runner.load import load_weights
 from kiln.runner.phases import Phases
 from kiln.runner.prompt_logprobs import compute_prompt_logprobs
 from kiln.runner.sample_step import sample_step
-from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow
+from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow, adapter_blocks
 from kiln.runner.step_timer import DecodeStepTimer
 from kiln.sampling.sampler import Sampler
 from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -238,10 +238,13 @@ class ModelRunner:
         rows, logits_indices, sample_ids = self._step_rows(req_ids, so)
         meta = so.kv_connector_metadata if self.kv_connector is not None else None
         if meta is not None:
+            if self.lora is not None and self.lora.failed:  # rows that ran without theirs
+                meta.drop_saves(adapter_blocks(map(self.requests.get, req_ids),
+                                               self.lora.failed))
             self.kv_connector.start_load_kv(meta, self._kv_buffer)
         hidden = self.forward_rows(rows, self._spec_k + 1 if so.scheduled_spec_decode_tokens
                                    else 1)
-        out = ModelRunnerOutput(req_ids, [])
+        out = ModelRunnerOutput(req_ids, [], failed_loras=self.lora.failed if self.lora else {})
         if meta is not None:  # the blocks this step filled, copied out before any reuse
             for layer, kv in enumerate(self.kv_caches):
                 self.kv_connector.save_kv_layer(layer, kv, meta)

@@ -2,6 +2,7 @@
 plain data shared by the runner, its sampling step and the drafters."""
 from __future__ import annotations
 
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,14 @@ class CachedRequestState:
     eos_token_ids: tuple[int, ...]
     lora_request: LoRARequest | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
+
+
+def adapter_blocks(states: Iterable[CachedRequestState], lora_ids: Container[int]
+                   ) -> set[int]:
+    """The block ids of the requests that run one of these adapters."""
+    return {b for st in states if st.lora_request is not None
+            and st.lora_request.lora_int_id in lora_ids
+            for group in st.block_ids for b in group}
 
 
 @dataclass(slots=True)

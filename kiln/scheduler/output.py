@@ -77,3 +77,6 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # KV connector: the worker side's counters for this step (blocks saved, failures).
     kv_connector_stats: dict[str, float] | None = None
+    # LoRA adapters the worker could not load this step: lora_int_id -> why. Their rows
+    # ran on the base model; the engine fails their requests.
+    failed_loras: dict[int, str] = field(default_factory=dict)

@@ -87,6 +87,19 @@ class Scheduler:
             request.status = status
             self._free(request)
 
+    def fail_requests(self, request_ids: list[str], message: str) -> None:
+        """Finish requests with an error that reaches their callers (`take_errors`). Their
+        KV may be wrong (it ran without their adapter): the blocks only they hold leave
+        the prefix cache as they are freed."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                self.kv.uncache(request)
+                if self.connector is not None:  # the worker dropped their saves
+                    self.connector.forget_saves(request.block_hashes)
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        self.errors.update(dict.fromkeys(request_ids, message))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
