@@ -59,7 +59,11 @@ def probe_in_background() -> None:
     marker = _marker()
     if marker is None or marker.is_file():
         return
-    from torch._inductor import cpu_vec_isa
+    # What the probe imports, imported here: an import on a thread while this one imports
+    # too can meet a half-initialised module (seen: "cannot import name 'schema' from
+    # 'torch._export.serde'" in the probe thread of a cold `kiln warmup`).
+    from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+    from torch.utils import _filelock  # noqa: F401
 
     with _probe_lock:  # engines built on several threads start one probe
         if _probe:

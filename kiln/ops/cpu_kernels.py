@@ -206,6 +206,11 @@ def start_loading(cache_root: Path) -> threading.Thread | None:
     if loaded() or host_supports() is not None or target.exists() \
             or _state["failed"] is not None or (target.parent / FAILED).exists():
         return None  # a build that failed once here runs in line: no restart each time
+    # What the build imports, imported here: an import on a thread while this one imports
+    # too can meet a half-initialised module (kiln/compiler/vec_isa.py saw one).
+    import torch.utils.cpp_extension  # noqa: F401
+    import tqdm  # noqa: F401
+
     with _plan_lock:
         if _builder:
             return None
