@@ -119,6 +119,17 @@ def add_bench_parser(sub: Any) -> None:
     pd.add_argument("--max-concurrency", type=int, default=16)
     pd.add_argument("--shared-cpus", action="store_true",
                     help="run P and D on every CPU (default: half each)")
+    soak = modes.add_parser("soak", help="a long mixed load (chat, streams, n=2, JSON "
+                            "schema, tools, an adapter, dropped streams, hostile requests) "
+                            "on a real kiln serve with LoRA, n-gram and the disk KV tier")
+    soak.add_argument("--model", default=None, help="default: the embedded model")
+    soak.add_argument("--duration-s", type=float, default=1800.0)
+    soak.add_argument("--clients", type=int, default=6)
+    for feature in ("lora", "ngram", "kv-tier"):
+        soak.add_argument(f"--no-{feature}", action="store_true",
+                          help=f"serve without {feature.replace('-', ' ')}")
+    soak.add_argument("--serve-args", default="", help="more `kiln serve` flags, quoted")
+    _outputs(soak)
     moe = modes.add_parser("moe", help="decode throughput of a small random Mixtral (8 "
                                        "experts, top-2): kiln vs transformers")
     moe.add_argument("-O", dest="optimization_level", type=int, default=2,
@@ -236,6 +247,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_moe(args.optimization_level, args.dtype, args.batch_sizes,
                          args.input_len, args.output_len, args.repeats)
         plot = _no_plots
+    elif mode == "soak":
+        import shlex
+
+        from kiln.bench.soak import format_soak as fmt, plot_soak as plot, run_soak
+
+        if args.duration_s <= 0 or args.clients < 1:
+            raise ValueError("--duration-s must be positive and --clients at least 1")
+        result = run_soak(args.model, args.duration_s, args.clients, lora=not args.no_lora,
+                          spec=not args.no_ngram, kv_tier=not args.no_kv_tier,
+                          serve_args=shlex.split(args.serve_args))
     elif mode in ("kv", "pd"):
         from kiln.bench.kv import format_kv, format_pd, run_kv, run_pd
 
@@ -260,6 +281,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         for path in plot(result, Path(args.plot)):
             print(f"wrote {path}")
+    if mode == "soak":
+        return 0 if all(result["checks"].values()) else 1
     return 1 if mode == "serve" and result["completed"] == 0 else 0
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.bench.report import environment, table
+from kiln.bench.server_proc import ServerProcess, free_port
 
 _TEXT = (Path(__file__).parent / "data" / "declaration.txt").read_text()
 
@@ -130,13 +131,13 @@ def run_pd(engine_argv: list[str], num_prompts: int, input_len: int, output_len:
     cpus = sorted(os.sched_getaffinity(0))
     half = len(cpus) // 2
     p_cpus, d_cpus = (cpus[:half], cpus[half:]) if split_cpus and half else (cpus, cpus)
-    kv_port = _free_port()
+    kv_port = free_port()
     load = dict(max_concurrency=max_concurrency, request_timeout_s=timeout_s)
     with tempfile.TemporaryDirectory(prefix="kiln-pd-bench-") as tmp:
         logs = Path(tmp)
-        p = _Server(engine_argv + _pd_kv("kv_producer", kv_port), logs / "p.log", p_cpus)
-        d = _Server(engine_argv + _pd_kv("kv_consumer", kv_port), logs / "d.log", d_cpus)
-        proxy = _Server(["--pd-proxy", p.url, d.url], logs / "proxy.log", None)
+        p = ServerProcess(engine_argv + _pd_kv("kv_producer", kv_port), logs / "p.log", p_cpus)
+        d = ServerProcess(engine_argv + _pd_kv("kv_consumer", kv_port), logs / "d.log", d_cpus)
+        proxy = ServerProcess(["--pd-proxy", p.url, d.url], logs / "proxy.log", None)
         try:
             for s in (p, d, proxy):
                 s.wait_ready(timeout_s)
@@ -145,7 +146,7 @@ def run_pd(engine_argv: list[str], num_prompts: int, input_len: int, output_len:
         finally:
             for s in (proxy, p, d):
                 s.stop()
-        single = _Server(engine_argv, logs / "single.log", cpus)
+        single = ServerProcess(engine_argv, logs / "single.log", cpus)
         try:
             single.wait_ready(timeout_s)
             one = run_serve(single.url, num_prompts, input_len, output_len, **load)
@@ -169,64 +170,6 @@ def _ratio(a: dict[str, Any], b: dict[str, Any], q: str) -> float | None:
 def _pd_kv(role: str, port: int) -> list[str]:
     return ["--kv-transfer-config", json.dumps({
         "kv_connector": "torch_distributed", "kv_role": role, "kv_port": port})]
-
-
-class _Server:
-    """A `kiln serve` child on a free 127.0.0.1 port, optionally pinned to `cpus`."""
-
-    def __init__(self, argv: list[str], log: Path, cpus: list[int] | None) -> None:
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        env = os.environ.copy()
-        if cpus is not None:
-            env["OMP_NUM_THREADS"] = str(len(cpus))
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.cli.main", "serve", *argv, "--port",
-             str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.url} exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.url} not ready in {timeout_s} s")
-
-    def kv_metrics(self) -> dict[str, float]:
-        import httpx
-
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("kiln:kv_transfer_"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def format_pd(r: dict[str, Any]) -> str:

@@ -65,6 +65,20 @@ def bars(groups: dict[str, dict[str, float]], title: str, ylabel: str, path: Pat
     return _save(fig, plt, path)
 
 
+def line(xs: Sequence[float], series: dict[str, Sequence[float]], title: str, xlabel: str,
+         ylabel: str, path: Path) -> Path:
+    """One line per named series over the same x values."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.0, 3.6))
+    for name, ys in series.items():
+        ax.plot(list(xs), list(ys), label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, plt, path)
+
+
 def _save(fig: Any, plt: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

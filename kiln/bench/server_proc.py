@@ -1,0 +1,83 @@
+"""A `kiln serve` child process on a free 127.0.0.1 port, for the bench modes that load a
+real server (`kv`, `pd`, `soak`)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`kiln serve ARGV` on a free port, optionally pinned to `cpus`; its output goes to
+    `log`."""
+
+    def __init__(self, argv: list[str], log: Path, cpus: list[int] | None = None) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = os.environ.copy()
+        if cpus is not None:
+            env["OMP_NUM_THREADS"] = str(len(cpus))
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kiln.cli.main", "serve", *argv, "--port",
+             str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.url} exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.url} not ready in {timeout_s} s")
+
+    def metrics(self, prefix: str = "kiln:") -> dict[str, float]:
+        """The unlabelled and labelled samples of /metrics whose names start with
+        `prefix`, by their full name."""
+        import httpx
+
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith(prefix):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def kv_metrics(self) -> dict[str, float]:
+        return self.metrics("kiln:kv_transfer_")
+
+    def rss_bytes(self) -> int | None:
+        """The server's resident memory (Linux), None once it has exited."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
