@@ -131,8 +131,8 @@ class KVCacheManager:
         """Drop the prefix-cache entries of the blocks only `request` holds (its KV is not
         what their hashes claim); shared blocks were computed by others and stay."""
         for m in self.managers:
-            self.block_pool.uncache(b for b in m.req_to_blocks.get(request.request_id, [])
-                              if b.ref_cnt == 1)
+            mine = m.req_to_blocks.get(request.request_id, [])
+            self.block_pool.uncache(b for b in mine if b.ref_cnt == 1)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in m.req_to_blocks.get(request_id, [])]
