@@ -17,6 +17,7 @@ tests and launchers change them between engines.
 | KILN_API_KEY | `kiln serve --api-key`'s default | none |
 | KILN_ALLOW_RUNTIME_LORA_UPDATING | `kiln serve --allow-runtime-lora-updating`'s default (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING works too) | off |
 | KILN_PLUGINS | comma-separated entry-point names: only these plugins load, in every group (`""`: none) | unset: all |
+| KILN_KV_PREFAULT | `all` backs the whole CPU KV cache at start-up (steady memory from the first request; `kiln bench soak` sets it), else only its first blocks | first blocks |
 | KILN_PROBE_T0 | set by `kiln bench compile` for the start-up probe it spawns: the spawn time | unset |
 
 Other programs' variables kiln passes on or reads as theirs (TRITON_INTERPRET, torchrun's
@@ -68,6 +69,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "KILN_ALLOW_RUNTIME_LORA_UPDATING": lambda: _true("VLLM_ALLOW_RUNTIME_LORA_UPDATING",
                                                       "KILN_ALLOW_RUNTIME_LORA_UPDATING"),
     "KILN_PLUGINS": lambda: _names("KILN_PLUGINS"),
+    "KILN_KV_PREFAULT": lambda: os.environ.get("KILN_KV_PREFAULT", "").strip().lower(),
     "KILN_PROBE_T0": lambda: float(os.environ.get("KILN_PROBE_T0", "nan")),
 }
 

@@ -20,10 +20,11 @@ class ServerProcess:
     """`kiln serve ARGV` on a free port, optionally pinned to `cpus`; its output goes to
     `log`."""
 
-    def __init__(self, argv: list[str], log: Path, cpus: list[int] | None = None) -> None:
+    def __init__(self, argv: list[str], log: Path, cpus: list[int] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = os.environ.copy()
+        env = {**os.environ, **(env or {})}
         if cpus is not None:
             env["OMP_NUM_THREADS"] = str(len(cpus))
         self.log = log

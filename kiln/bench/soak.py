@@ -26,7 +26,7 @@ from typing import Any
 from kiln.bench.report import environment, table
 from kiln.bench.server_proc import ServerProcess
 from kiln.bench.stats import summarize
-from kiln.bench.soak_requests import KINDS, REFERENCE, Outcome, send
+from kiln.bench.soak_requests import KINDS, REFERENCE, Outcome, Target, send
 
 ADAPTER = "soak-adapter"
 MAX_RSS_GROWTH = 0.05
@@ -63,7 +63,9 @@ def run_soak(model: str | None, duration_s: float, clients: int, *, lora: bool =
     with tempfile.TemporaryDirectory(prefix="kiln-soak-") as tmp:
         work = Path(tmp)
         argv = serve_argv(model, work, lora, spec, kv_tier, serve_args or [])
-        server = ServerProcess(argv, work / "server.log")
+        # The whole KV cache backed at start-up: it is otherwise backed as requests first
+        # reach its pages (about a GiB over the first minutes here), which is not growth.
+        server = ServerProcess(argv, work / "server.log", env={"KILN_KV_PREFAULT": "all"})
         try:
             server.wait_ready(startup_timeout_s)
             result = asyncio.run(_soak(server, duration_s, clients,
@@ -89,7 +91,9 @@ async def _soak(server: ServerProcess, duration_s: float, clients: int,
     api = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
                              timeout=300)
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        model = (await api.models.list()).data[0].id
+        card = (await api.models.list()).data[0]
+        model = card.id
+        target = Target(model, adapter, (card.model_extra or {}).get("max_model_len", 32768))
         # Asked twice before the load: the first fills the prefix cache and the tier, so
         # "before" and "after" both run with the prompt's blocks cached, and differ only
         # if the load left the engine in another state (bf16 prefill is not the same
@@ -102,7 +106,7 @@ async def _soak(server: ServerProcess, duration_s: float, clients: int,
         deadline = start + duration_s
         sampler = asyncio.create_task(_sample_rss(server, start, deadline, rss_interval_s,
                                                   rss))
-        await asyncio.gather(*(_client(i, api, http, model, adapter, deadline, outcomes)
+        await asyncio.gather(*(_client(i, api, http, target, deadline, outcomes)
                                for i in range(clients)))
         elapsed = time.monotonic() - start
         await sampler
@@ -116,13 +120,13 @@ async def _soak(server: ServerProcess, duration_s: float, clients: int,
                                               "identical": before == after}}
 
 
-async def _client(index: int, api: Any, http: Any, model: str, adapter: str | None,
-                  deadline: float, outcomes: list[Outcome]) -> None:
-    kinds = [k for k in KINDS if adapter is not None or k != "adapter"]
+async def _client(index: int, api: Any, http: Any, target: Target, deadline: float,
+                  outcomes: list[Outcome]) -> None:
+    kinds = [k for k in KINDS if target.adapter is not None or k != "adapter"]
     turn = index  # each client starts at another kind
     while time.monotonic() < deadline:
         kind = kinds[turn % len(kinds)]
-        outcomes.append(await send(kind, api, http, model, adapter, turn))
+        outcomes.append(await send(kind, api, http, target, turn))
         turn += 1
 
 

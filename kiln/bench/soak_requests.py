@@ -20,6 +20,15 @@ TOOL = {"type": "function", "function": {
                    "properties": {"city": {"type": "string", "maxLength": 20}}}}}
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The server's names: its model, the adapter (None without LoRA), its context."""
+
+    model: str
+    adapter: str | None
+    max_model_len: int
+
+
 @dataclass(slots=True)
 class Outcome:
     kind: str
@@ -46,15 +55,13 @@ async def _chat(api: Any, model: str, turn: int, **kw: Any) -> Any:
                                              temperature=0.7, seed=turn, **kw)
 
 
-async def _plain(o: Outcome, api: Any, http: Any, model: str, adapter: str | None,
-                 turn: int) -> None:
-    r = await _chat(api, adapter if o.kind == "adapter" else model, turn)
+async def _plain(o: Outcome, api: Any, http: Any, t: Target, turn: int) -> None:
+    r = await _chat(api, t.adapter if o.kind == "adapter" else t.model, turn)
     o.ok = isinstance(r.choices[0].message.content, str)
 
 
-async def _stream(o: Outcome, api: Any, http: Any, model: str, adapter: str | None,
-                  turn: int) -> None:
-    stream = await _chat(api, model, turn, stream=True)
+async def _stream(o: Outcome, api: Any, http: Any, t: Target, turn: int) -> None:
+    stream = await _chat(api, t.model, turn, stream=True)
     finish, chunks = None, 0
     async for chunk in stream:
         chunks += 1
@@ -67,16 +74,14 @@ async def _stream(o: Outcome, api: Any, http: Any, model: str, adapter: str | No
     o.ok = finish is not None and chunks > 0
 
 
-async def _n2(o: Outcome, api: Any, http: Any, model: str, adapter: str | None,
-              turn: int) -> None:
-    r = await _chat(api, model, turn, n=2, logprobs=True, top_logprobs=2)
+async def _n2(o: Outcome, api: Any, http: Any, t: Target, turn: int) -> None:
+    r = await _chat(api, t.model, turn, n=2, logprobs=True, top_logprobs=2)
     o.ok = len(r.choices) == 2 and all(c.logprobs is not None and c.logprobs.content
                                        for c in r.choices)
 
 
-async def _schema(o: Outcome, api: Any, http: Any, model: str, adapter: str | None,
-                  turn: int) -> None:
-    r = await _chat(api, model, turn, max_tokens=64, response_format={
+async def _schema(o: Outcome, api: Any, http: Any, t: Target, turn: int) -> None:
+    r = await _chat(api, t.model, turn, max_tokens=64, response_format={
         "type": "json_schema", "json_schema": {"name": "fact", "schema": SCHEMA}})
     choice = r.choices[0]
     if choice.finish_reason == "length":
@@ -91,9 +96,8 @@ async def _schema(o: Outcome, api: Any, http: Any, model: str, adapter: str | No
     o.ok = not o.invalid
 
 
-async def _tools(o: Outcome, api: Any, http: Any, model: str, adapter: str | None,
-                 turn: int) -> None:
-    r = await _chat(api, model, turn, max_tokens=48, tools=[TOOL], tool_choice="required")
+async def _tools(o: Outcome, api: Any, http: Any, t: Target, turn: int) -> None:
+    r = await _chat(api, t.model, turn, max_tokens=48, tools=[TOOL], tool_choice="required")
     choice = r.choices[0]
     if choice.finish_reason == "length":
         o.ok = o.truncated = True
@@ -109,9 +113,8 @@ async def _tools(o: Outcome, api: Any, http: Any, model: str, adapter: str | Non
     o.ok = not o.invalid
 
 
-async def _stop(o: Outcome, api: Any, http: Any, model: str, adapter: str | None,
-                turn: int) -> None:
-    r = await _chat(api, model, turn, stop=[".", "\n"])
+async def _stop(o: Outcome, api: Any, http: Any, t: Target, turn: int) -> None:
+    r = await _chat(api, t.model, turn, stop=[".", "\n"])
     text = r.choices[0].message.content or ""
     o.ok = "." not in text and "\n" not in text
 
@@ -119,19 +122,21 @@ async def _stop(o: Outcome, api: Any, http: Any, model: str, adapter: str | None
 # Each must be refused with a 4xx and leave the server serving the others.
 HOSTILE: tuple[dict[str, Any] | str, ...] = (
     {"temperature": -1.0}, {"max_tokens": -5}, {"model": "no-such-model"}, {"n": 0},
-    {"messages": [{"role": "user", "content": "x " * 5000}]},  # over max_model_len
+    "too long",  # a prompt over the server's max_model_len
     {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}},
     "{not json")
 
 
-async def _hostile(o: Outcome, api: Any, http: Any, model: str, adapter: str | None,
-                   turn: int) -> None:
+async def _hostile(o: Outcome, api: Any, http: Any, t: Target, turn: int) -> None:
     bad = HOSTILE[turn % len(HOSTILE)]
+    if bad == "too long":  # numbers: a token per digit at least, in any tokenizer here
+        words = " ".join(str(i % 1000) for i in range(t.max_model_len))
+        bad = {"messages": [{"role": "user", "content": words}]}
     if isinstance(bad, str):
         r = await http.post("/v1/chat/completions", content=bad,
                             headers={"content-type": "application/json"})
     else:
-        body = {"model": model, "messages": _messages(turn), "max_tokens": 8, **bad}
+        body = {"model": t.model, "messages": _messages(turn), "max_tokens": 8, **bad}
         r = await http.post("/v1/chat/completions", json=body)
     o.status = r.status_code
     o.refused = 400 <= r.status_code < 500
@@ -145,14 +150,13 @@ SENDERS: dict[str, Callable[..., Awaitable[None]]] = {
     "hostile": _hostile}
 
 
-async def send(kind: str, api: Any, http: Any, model: str, adapter: str | None,
-               turn: int) -> Outcome:
+async def send(kind: str, api: Any, http: Any, t: Target, turn: int) -> Outcome:
     import openai
 
     o = Outcome(kind, 0.0)
     start = time.monotonic()
     try:
-        await SENDERS[kind](o, api, http, model, adapter, turn)
+        await SENDERS[kind](o, api, http, t, turn)
         if not (o.ok or o.refused) and o.error is None:
             o.error = f"{kind}: an answer of the wrong shape"
     except openai.APIStatusError as exc:

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from kiln import envs
 from kiln.attention.backend import AttentionLayerSpec
 from kiln.kv_cache.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCacheGroupSpec,
                                          SlidingWindowSpec, describe_groups, group_layers,
@@ -75,6 +76,8 @@ def prefault_first_blocks(buffer: torch.Tensor) -> None:
     `load` median 4.4 -> 3.8 s)."""
     per_block = buffer[0, 0, 0].numel() * buffer.element_size()
     blocks = max(1, min(buffer.shape[2], HUGE_PAGE // per_block))
+    if envs.KILN_KV_PREFAULT == "all":  # steady memory from the start (a soak measures it)
+        blocks = buffer.shape[2]
     # One byte per 4 KiB page of each region (a fault backs the page, huge or not), in
     # one serial indexed write: the zeros are there already, so this only faults.
     region = torch.arange(0, blocks * per_block, 4096)
