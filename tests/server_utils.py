@@ -22,6 +22,8 @@ import httpx
 import torch
 import transformers
 
+from kiln.bench.server_proc import stop_process, wait_healthy
+
 API_KEY = "test-key"
 MODEL_NAME = "tiny-chat"
 # Shared by the server and the in-process reference, so both engines are configured alike.
@@ -102,27 +104,11 @@ def start_server(model_dir: Path, log_path: Path, *extra: str) -> Server:
 
 
 def wait_ready(server: Server, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"kiln serve exited with {server.proc.returncode}:\n"
-                               f"{server.log()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"kiln serve not ready after {timeout} s:\n{server.log()}")
+    wait_healthy(server.proc, server.base_url, server.log_path, timeout)
 
 
 def stop_server(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
+    stop_process(server.proc, 20.0)
 
 
 @dataclass

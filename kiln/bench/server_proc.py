@@ -16,6 +16,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float,
+                 poll_s: float = 0.2) -> None:
+    """Return once `url`/health answers 200; raise with the log's tail if the server
+    exits first or is not healthy within `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kiln serve at {url} exited with {proc.returncode}:\n"
+                               f"{log.read_text(errors='replace')[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"kiln serve at {url} not ready after {timeout_s} s:\n"
+                       f"{log.read_text(errors='replace')[-3000:]}")
+
+
 class ServerProcess:
     """`kiln serve ARGV` on a free port, optionally pinned to `cpus`; its output goes to
     `log`."""
@@ -34,19 +55,7 @@ class ServerProcess:
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
     def wait_ready(self, timeout_s: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.url} exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.url} not ready in {timeout_s} s")
+        wait_healthy(self.proc, self.url, self.log, timeout_s)
 
     def metrics(self, prefix: str = "kiln:") -> dict[str, float]:
         """The unlabelled and labelled samples of /metrics whose names start with
@@ -76,9 +85,14 @@ class ServerProcess:
         return None
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 30.0)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
