@@ -18,6 +18,7 @@ tests and launchers change them between engines.
 | KILN_ALLOW_RUNTIME_LORA_UPDATING | `kiln serve --allow-runtime-lora-updating`'s default (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING works too) | off |
 | KILN_PLUGINS | comma-separated entry-point names: only these plugins load, in every group (`""`: none) | unset: all |
 | KILN_KV_PREFAULT | `all` backs the whole CPU KV cache at start-up (steady memory from the first request; `kiln bench soak` sets it), else only its first blocks | first blocks |
+| KILN_PP_LAYER_PARTITION | layers per pipeline stage, comma-separated (`"5,4"`; vLLM's VLLM_PP_LAYER_PARTITION works too) | an even split |
 | KILN_PROBE_T0 | set by `kiln bench compile` for the start-up probe it spawns: the spawn time | unset |
 
 Other programs' variables kiln passes on or reads as theirs (TRITON_INTERPRET, torchrun's
@@ -65,6 +66,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "KILN_DIST_TIMEOUT_S": _dist_timeout,
     "KILN_DIST_STARTUP_TIMEOUT_S": lambda: float(os.environ.get(
         "KILN_DIST_STARTUP_TIMEOUT_S", max(DEFAULT_DIST_TIMEOUT_S, _dist_timeout()))),
+    "KILN_PP_LAYER_PARTITION": lambda: os.environ.get(
+        "KILN_PP_LAYER_PARTITION", os.environ.get("VLLM_PP_LAYER_PARTITION", "")).strip(),
     "KILN_API_KEY": lambda: os.environ.get("KILN_API_KEY"),
     "KILN_ALLOW_RUNTIME_LORA_UPDATING": lambda: _true("VLLM_ALLOW_RUNTIME_LORA_UPDATING",
                                                       "KILN_ALLOW_RUNTIME_LORA_UPDATING"),

@@ -2,9 +2,12 @@
 
 `python tp_worker.py CASES_JSON` (the `mp` executor: this process is the engine) or
 `torchrun --nproc-per-node N tp_worker.py CASES_JSON` (`external_launcher`: every rank
-runs it; rank 0 prints). Each case: {"model", "level", "tp", "backend"}, and "lora": a
-PEFT adapter directory for every prompt but the first (LoRA sharded over the ranks). Every result
-carries each rank's compile counters, so a warm start can be checked per rank.
+runs it; rank 0 prints). Each case: {"model", "level", "tp", "backend"}, and optionally
+"pp" (pipeline stages), "lora": a PEFT adapter directory for every prompt but the first
+(LoRA sharded over the ranks), "prompts" (token-id lists instead of PROMPTS), "max_tokens"
+and "engine" (more LLM keyword arguments). Every result carries each rank's compile
+counters, so a warm start can be checked per rank, and how many steps the engine had in
+flight at most.
 """
 from __future__ import annotations
 
@@ -18,20 +21,25 @@ PROMPTS = [[1, 5, 9, 33, 7], [1, 300, 2, 77, 11, 12, 13, 14, 15, 16], [1, 42]]
 
 def run(case: dict) -> dict:
     lora = case.get("lora")
+    engine = {"num_kv_blocks": 64, "max_model_len": 128, **case.get("engine", {})}
     llm = LLM(case["model"], dtype="float32", optimization_level=case["level"],
-              progress=False, num_kv_blocks=64, max_model_len=128,
-              tensor_parallel_size=case["tp"],
+              progress=False, tensor_parallel_size=case["tp"],
+              pipeline_parallel_size=case.get("pp", 1),
               distributed_executor_backend=case.get("backend"), enable_lora=bool(lora),
-              max_lora_rank=8)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    loras = [None] + [LoRARequest("a", 1, lora)] * (len(PROMPTS) - 1) if lora else None
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
+              max_lora_rank=8, **engine)
+    prompts = case.get("prompts", PROMPTS)
+    params = SamplingParams(temperature=0, max_tokens=case.get("max_tokens", 12),
+                            ignore_eos=True)
+    loras = [None] + [LoRARequest("a", 1, lora)] * (len(prompts) - 1) if lora else None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                         lora_request=loras)
     reports = llm.engine.executor.collective_rpc("compile_report")
     driver = llm.engine.executor.is_driver
+    batches = llm.engine.batch_queue
     llm.shutdown()
     return {"driver": driver, "tokens": [o.outputs[0].token_ids for o in outs],
-            "counters": [r["counters"] for r in reports]}
+            "counters": [r["counters"] for r in reports],
+            "peak_in_flight": batches.peak if batches is not None else 1}
 
 
 if __name__ == "__main__":

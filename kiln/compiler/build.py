@@ -62,17 +62,22 @@ def cache_factors(model: nn.Module, cc: CompilationConfig, dtype: torch.dtype,
     model_config = {k: v for k, v in dataclasses.asdict(model.config).items() if k != "path"}
     compilation = {k: v for k, v in dataclasses.asdict(cc).items()
                    if k not in ("cache_dir", "use_cache", *GRAPH_FIELDS)}
-    return {"kiln_version": __version__, "model_config": model_config, "dtype": str(dtype),
-            "compilation": compilation, "shapes": [str(s) for s in shapes],
-            "device": _device_key(device), "torch": torch.__version__,
-            "compiler": adaptor_hash, "dynamo": DYNAMO_CONFIG, "source": source_hash(model),
-            "cpu_kernels": cpu_kernels.planned_signature(),
-            "linear_plan": weight_plan,
-            "attention_backend": attention_backend,
-            "quantization": quantization or {"method": None},
-            "lora": lora,  # slot shapes (None: no LoRA op in the graph)
-            # Each rank compiles its own shard shapes (and collectives): its own entry.
-            "tensor_parallel": [get_tp_group().rank, get_tp_group().world_size]}
+    factors: dict[str, Any] = {
+        "kiln_version": __version__, "model_config": model_config, "dtype": str(dtype),
+        "compilation": compilation, "shapes": [str(s) for s in shapes],
+        "device": _device_key(device), "torch": torch.__version__,
+        "compiler": adaptor_hash, "dynamo": DYNAMO_CONFIG, "source": source_hash(model),
+        "cpu_kernels": cpu_kernels.planned_signature(),
+        "linear_plan": weight_plan,
+        "attention_backend": attention_backend,
+        "quantization": quantization or {"method": None},
+        "lora": lora,  # slot shapes (None: no LoRA op in the graph)
+        # Each rank compiles its own shard shapes (and collectives): its own entry.
+        "tensor_parallel": [get_tp_group().rank, get_tp_group().world_size]}
+    stage = getattr(model, "stage", None)
+    if stage is not None and stage.size > 1:  # each stage traces other layers and ends
+        factors["pipeline_stage"] = stage.cache_key()
+    return factors
 
 
 def _device_key(device: torch.device) -> str:

@@ -14,7 +14,7 @@ from kiln.config.generation import parse_generation_config, parse_override
 from kiln.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from kiln.config.levels import OptimizationLevel, apply_level_defaults
 from kiln.config.lora import LoRAConfig
-from kiln.config.parallel import check_parallel
+from kiln.config.parallel import check_parallel, check_pipeline_features
 from kiln.config.quantization import CHOICES as QUANTIZATION_CHOICES
 from kiln.config.speculative import SpeculativeConfig, parse_speculative_config
 from kiln.config.utils import parse_bytes, positive_int
@@ -61,7 +61,10 @@ class EngineConfig:
     full_sequence_must_fit: bool = False
     log_stats_interval_s: float = 10.0  # 0: never log scheduler stats
     tensor_parallel_size: int = 1
-    # "uni" | "mp" | "external_launcher"; None: "mp" when tensor_parallel_size > 1
+    # Contiguous layer stages, one process group of tensor_parallel_size ranks each
+    # (KILN_PP_LAYER_PARTITION overrides the even split)
+    pipeline_parallel_size: int = 1
+    # "uni" | "mp" | "external_launcher"; None: "mp" when tp * pp > 1
     distributed_executor_backend: str | None = None
     # "int8" | "int8-channel" | "gguf" | "none" (kiln.quantization); None: what the
     # checkpoint is (a quantized GGUF file stays quantized)
@@ -129,7 +132,7 @@ class EngineConfig:
                              f"{self.long_prefill_token_threshold!r} must be 0 (off) or a "
                              "positive integer")
         check_parallel(self.tensor_parallel_size, self.distributed_executor_backend,
-                       self.device)
+                       self.device, self.pipeline_parallel_size)
         self.lora_config()  # a bad LoRA limit fails here, named
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None and self.speculative_config.uses_draft_kv \
@@ -138,6 +141,7 @@ class EngineConfig:
                              "tensor_parallel_size=1 only (the draft is not sharded); use "
                              "method 'ngram' with tensor parallelism, or -tp 1")
         self._validate_kv_transfer()
+        check_pipeline_features(self)
         self.compilation = _compilation(self.compilation)
         self.compilation.validate(self.max_num_batched_tokens)
         self._apply_level()

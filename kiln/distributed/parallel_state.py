@@ -1,10 +1,12 @@
 """The rank grid and one coordinator per process group.
 
 A process knows up to three groups: the world (every rank, plus the engine process under
-the `mp` executor), and the tensor-parallel group it belongs to. Each `GroupCoordinator`
+the `mp` executor), the tensor-parallel group and the pipeline-parallel group it belongs
+to. Each `GroupCoordinator`
 holds a device group for tensors (NCCL on CUDA, gloo on the CPU) and a CPU group (gloo)
-for pickled metadata. The grid is laid out `[-1, pp, tp]` (vLLM's order, with PP and DP
-still 1), so adding pipeline or data parallelism later adds groups, not a new layout.
+for pickled metadata. The grid is laid out `[-1, pp, tp]` (vLLM's order, DP still 1): a TP
+group is a row of one stage, a PP group the same TP rank down the stages, and global rank
+= pp_rank * tp + tp_rank.
 
 Without `init_distributed` every getter returns the trivial group of size 1, and its
 collectives return their input unchanged: the single-process path never touches
@@ -105,12 +107,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
+_PP: GroupCoordinator | None = None
 
 
 # The size-1 groups of a process that never initialised torch.distributed: built once,
 # as eager layers ask for the TP size on every call.
 _TRIVIAL_WORLD = GroupCoordinator("world", [0])
 _TRIVIAL_TP = GroupCoordinator("tp", [0])
+_TRIVIAL_PP = GroupCoordinator("pp", [0])
 
 
 def get_world_group() -> GroupCoordinator:
@@ -119,6 +123,10 @@ def get_world_group() -> GroupCoordinator:
 
 def get_tp_group() -> GroupCoordinator:
     return _TP or _TRIVIAL_TP
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _PP or _TRIVIAL_PP
 
 
 def tp_rank() -> int:
@@ -145,27 +153,39 @@ def init_distributed(world_size: int, rank: int, init_method: str = "env://") ->
                               dist.group.WORLD, dist.group.WORLD)
 
 
-def initialize_model_parallel(tp: int, device: torch.device, num_workers: int) -> None:
-    """Carve TP groups out of the first `num_workers` world ranks (the engine process, if
-    any, sits above them and joins no TP group). Every world rank must call this: creating
-    a group is itself a collective."""
-    global _TP
-    grid = torch.arange(num_workers).reshape(-1, 1, tp)  # [dp, pp, tp]
-    me = dist.get_rank()
-    for ranks in grid.view(-1, tp).tolist():
+def initialize_model_parallel(tp: int, device: torch.device, num_workers: int,
+                              pp: int = 1) -> None:
+    """Carve TP and PP groups out of the first `num_workers` world ranks (the engine
+    process, if any, sits above them and joins neither). Every world rank must call this,
+    in the same order: creating a group is itself a collective."""
+    global _TP, _PP
+    grid = torch.arange(num_workers).reshape(-1, pp, tp)  # [dp, pp, tp]
+    _TP = _groups("tp", grid.reshape(-1, tp).tolist(), device) or _TP
+    if pp > 1:  # without PP no rank asks for the group: create none (no extra collectives)
+        _PP = _groups("pp", grid.transpose(1, 2).reshape(-1, pp).tolist(), device) or _PP
+    for g in (_TP, _PP):
+        if g is not None:
+            logger.info("rank %d: %s rank %d of %d (ranks %s)", dist.get_rank(), g.name,
+                        g.rank, g.world_size, g.ranks)
+
+
+def _groups(name: str, all_ranks: list[list[int]], device: torch.device
+            ) -> GroupCoordinator | None:
+    """Create every group of one kind (all ranks take part in each creation); return
+    the one this rank is in, if any."""
+    me, mine = dist.get_rank(), None
+    for ranks in all_ranks:
         cpu = dist.new_group(ranks, backend="gloo")
         dev = cpu if device.type == "cpu" else dist.new_group(ranks,
                                                                 backend=device_backend(device))
         if me in ranks:
-            _TP = GroupCoordinator("tp", ranks, ranks.index(me), dev, cpu)
-    if _TP is not None:
-        logger.info("rank %d: tensor-parallel rank %d of %d (ranks %s)", me, _TP.rank,
-                    _TP.world_size, _TP.ranks)
+            mine = GroupCoordinator(name, ranks, ranks.index(me), dev, cpu)
+    return mine
 
 
 def destroy_distributed() -> None:
     """Leave every group (device groups first, then the world). Safe to call twice."""
-    global _WORLD, _TP
-    _TP = _WORLD = None
+    global _WORLD, _TP, _PP
+    _TP = _PP = _WORLD = None
     if dist.is_initialized():
         dist.destroy_process_group()

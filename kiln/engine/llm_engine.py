@@ -13,16 +13,29 @@ import torch
 from kiln.compiler.cache import default_cache_root
 from kiln.compiler.vec_isa import probe_in_background
 from kiln.config.engine import EngineConfig
+from kiln.distributed.pipeline import layer_partition
+from kiln.engine.batch_queue import BatchQueue, tells_workers
 from kiln.engine.detokenizer import token_namer
 from kiln.engine.output_processor import OutputProcessor, sample_ids
 from kiln.engine.outputs import RequestOutput
-from kiln.engine.startup import (check_draft_model, check_kv_capacity,
-                                 check_kv_transfer_params, check_sliding_window,
-                                 check_tensor_parallel, kv_fingerprint, load_tokenizer,
-                                 resolve_dtype, resolve_max_model_len)
-from kiln.engine.stat_loggers import (iteration_stats, load_stat_loggers,
-                                      log_engine_initialized, prompt_tokens_scheduled,
-                                      record_all)
+from kiln.engine.startup import (
+    check_draft_model,
+    check_kv_capacity,
+    check_kv_transfer_params,
+    check_sliding_window,
+    check_tensor_parallel,
+    kv_fingerprint,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_max_model_len,
+)
+from kiln.engine.stat_loggers import (
+    iteration_stats,
+    load_stat_loggers,
+    log_engine_initialized,
+    prompt_tokens_scheduled,
+    record_all,
+)
 from kiln.executor.abstract import Executor
 from kiln.executor.factory import make_executor, runs_in_process
 from kiln.executor.worker import RunnerSpec
@@ -44,7 +57,7 @@ from kiln.runner.phases import Phases
 from kiln.runner.state import RunnerLimits
 from kiln.sampling.defaults import generation_defaults
 from kiln.sampling.params import SamplingParams
-from kiln.scheduler.output import ModelRunnerOutput
+from kiln.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kiln.scheduler.scheduler import Scheduler
 from kiln.scheduler.step import SchedulerPolicy, SchedulerStats
 from kiln.spec_decode.metrics import SpecDecodingStats
@@ -80,8 +93,8 @@ class LLMEngine:
         self.config = config
         self.phases = phases = Phases()  # where start-up's seconds go
         load_general_plugins()  # plugins register models before any is resolved
-        in_process = runs_in_process(config.distributed_executor_backend,
-                                     config.tensor_parallel_size)
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        in_process = runs_in_process(config.distributed_executor_backend, tp, pp)
         if config.device == "cpu" and in_process and config.compilation.mode:
             probe_in_background()  # mp workers probe their own
         with phases("model files"):  # a GGUF file's one-time conversion lands here
@@ -95,7 +108,8 @@ class LLMEngine:
         with phases("model config"):
             self.model_config = mc = ModelConfig.from_pretrained(path)
         model_class(mc.architecture)  # unknown architectures fail before any loading
-        check_tensor_parallel(mc, config.tensor_parallel_size)
+        check_tensor_parallel(mc, tp)
+        layer_partition(mc.num_layers, pp)  # a bad split fails here, named
         check_sliding_window(mc, config)
         self.quantization = qc = resolve_quantization(config.quantization, path,
                                                       gguf_source(config.model))
@@ -138,7 +152,7 @@ class LLMEngine:
                           kv_transfer=None if kvt is None else (kvt, fingerprint))
         with phases("workers"):
             self.executor: Executor = make_executor(config.distributed_executor_backend,
-                                                    config.tensor_parallel_size, spec)
+                                                    tp, spec, pp)
         phases.split("workers", self.executor.startup_phases)
         # Workers stop with the engine: garbage-collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
@@ -173,6 +187,9 @@ class LLMEngine:
                                    num_lookahead_tokens=sc.num_speculative_tokens
                                    if sc is not None and sc.uses_draft_kv else 0,
                                    kv_connector=self.kv_connector)
+        self.scheduler.send_token_ids = pp > 1  # stages before the last never sample
+        depth = self.executor.max_concurrent_batches
+        self.batch_queue = BatchQueue(self.executor, depth) if depth > 1 else None
         self._last_stats_log = time.monotonic()
         self.output_processor = OutputProcessor(self.tokenizer, token_namer(self.tokenizer))
         # Plugin stat loggers live where outputs are processed (rank 0 under torchrun).
@@ -341,21 +358,35 @@ class LLMEngine:
                     f"accepted length {s.spec_decoding.mean_accepted_length:.2f})")
 
     # ---- stepping ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return at most one output per user request that got new
-        tokens, shaped by its `output_kind` (cumulative, delta, or final only)."""
+    def _schedule(self) -> tuple[SchedulerOutput, int]:
         so = self.scheduler.schedule()
         prompt_tokens = prompt_tokens_scheduled(self.scheduler.requests, so.num_scheduled_tokens) \
             if self.stat_loggers else 0
-        if so.is_empty and not (so.finished_req_ids or so.preempted_req_ids):
-            # Nothing to run or tell the workers: every waiting request's grammar is still
-            # compiling, or its KV still arriving. Wait (briefly) rather than spin.
-            runner_out = ModelRunnerOutput([], [])
-            self.scheduler.idle_wait(timeout_s=0.05)
-        else:
-            runner_out = self.executor.execute(so)
-            if runner_out.failed_loras:
-                self._fail_adapters(runner_out.failed_loras)
+        return so, prompt_tokens
+
+    def _idle(self) -> None:
+        # Nothing to run or tell the workers: every waiting request's grammar is still
+        # compiling, or its KV still arriving. Wait (briefly) rather than spin.
+        self.scheduler.idle_wait(timeout_s=0.05)
+
+    def _step_now(self) -> tuple[SchedulerOutput, ModelRunnerOutput, int]:
+        so, prompt_tokens = self._schedule()
+        if not tells_workers(so):
+            self._idle()
+            return so, ModelRunnerOutput([], []), prompt_tokens
+        return so, self.executor.execute(so), prompt_tokens
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return at most one output per user request that got new
+        tokens, shaped by its `output_kind` (cumulative, delta, or final only). Under
+        pipeline parallelism a step may only send work and return nothing yet."""
+        done = self._step_now() if self.batch_queue is None else \
+            self.batch_queue.step(self._schedule, self._idle)
+        if done is None:
+            return []
+        so, runner_out, prompt_tokens = done
+        if runner_out.failed_loras:
+            self._fail_adapters(runner_out.failed_loras)
         self._maybe_log_stats()
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         core_outputs += self.scheduler.take_errors()  # failed alone while scheduling

@@ -66,10 +66,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint is")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N ranks (processes) with torch.distributed")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, metavar="N",
+                   help="split the layers into N stages, one process (group) each; "
+                        "KILN_PP_LAYER_PARTITION='5,4' sets the layers per stage")
     p.add_argument("--distributed-executor-backend", default=None,
                    choices=["uni", "mp", "external_launcher"],
                    help="who runs the ranks: uni (in process, tp=1), mp (one process per "
-                        "rank; the default for tp>1), external_launcher (torchrun)")
+                        "rank; the default for tp or pp > 1), external_launcher (torchrun)")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (slots on every decoder linear)")
     p.add_argument("--max-loras", type=int, default=default_of("max_loras"), metavar="N",
@@ -152,6 +155,7 @@ def make_llm(args: argparse.Namespace) -> Any:
                scheduling_policy=args.scheduling_policy,
                long_prefill_token_threshold=args.long_prefill_token_threshold,
                tensor_parallel_size=args.tensor_parallel_size,
+               pipeline_parallel_size=args.pipeline_parallel_size,
                distributed_executor_backend=args.distributed_executor_backend,
                quantization=args.quantization, enable_lora=args.enable_lora,
                max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,

@@ -17,6 +17,9 @@ class Executor:
     num_kv_blocks, attention_backend and startup_phases (rank 0's runner)."""
 
     tp_size: int = 1
+    pp_size: int = 1
+    # Steps the engine may have in flight at once: one per pipeline stage (mp).
+    max_concurrent_batches: int = 1
     is_driver: bool = True  # this process hands outputs to the caller
 
     def _describe(self, info: dict[str, Any]) -> None:
@@ -34,6 +37,11 @@ class Executor:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
 
+    def execute_async(self, so: SchedulerOutput) -> StepResult:
+        """Start a step; its handle's `result()` gives the output. Executors that run
+        one step at a time run it here."""
+        return StepResult(self.execute(so))
+
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call `Worker.<method>(*args)` on every rank; one result per rank, in rank order."""
         raise NotImplementedError
@@ -43,3 +51,13 @@ class Executor:
 
     def shutdown(self) -> None:
         pass
+
+
+class StepResult:
+    """A step's output, already there."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output

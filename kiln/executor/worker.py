@@ -98,6 +98,11 @@ class Worker:
         c.store.flush()
         return c.take_worker_stats()
 
+    def flush_pipeline(self) -> None:
+        """Wait for this stage's last hand-off to the next (before leaving)."""
+        if self.runner.pipeline is not None:
+            self.runner.pipeline.wait_sent()
+
     def close(self) -> None:
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.close()
@@ -126,5 +131,7 @@ class Worker:
     def comm_stats(self) -> dict[str, float]:
         """Time inside all-reduces and in whole steps, for the overhead report."""
         s = get_tp_group().stats
+        pp = self.runner.pipeline.stats if self.runner.pipeline is not None else {}
         return {"all_reduce_s": s["all_reduce_s"], "all_reduce_calls": s["all_reduce_calls"],
-                "step_s": self.step_s, "steps": self.steps}
+                "step_s": self.step_s, "steps": self.steps,
+                **{f"pp_{k}": v for k, v in pp.items()}}

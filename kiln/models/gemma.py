@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.models.layers import DecoderLayers
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear
-from kiln.models.llama import LlamaAttention, LlamaForCausalLM
+from kiln.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from kiln.models.model_config import ModelConfig
 from kiln.models.vocab_parallel import VocabParallelEmbedding
 
@@ -82,17 +81,10 @@ class ScaledEmbedding(VocabParallelEmbedding):
         return super().forward(ids) * self.embed_scale
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = DecoderLayers(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        h = self.layers(positions, h)
-        return self.norm(h)
+class GemmaModel(LlamaModel):
+    embed_cls = ScaledEmbedding
+    layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -12,16 +12,25 @@ loading of their slices and the collectives. With one rank it is the plain model
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from kiln.attention.layer import Attention
 from kiln.distributed.parallel_state import tp_size
+from kiln.distributed.pipeline import pipeline_stage
 from kiln.models.layers import DecoderLayers, RMSNorm, RotaryEmbedding, SiluAndMul
-from kiln.models.linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
+from kiln.models.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    qkv_parallel_linear,
+)
 from kiln.models.model_config import ModelConfig
 from kiln.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kiln.moe.layer import SparseMoeBlock, expert_checkpoint_name
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class LlamaAttention(nn.Module):
@@ -99,16 +108,33 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, this pipeline stage's decoder layers, final norm. Under pipeline
+    parallelism only the first stage embeds and only the last normalises; a later stage
+    starts from the previous stage's hidden states in `pp_in`, which the runner fills each
+    step (the residual stream is that one tensor: each layer adds to its input)."""
+
+    embed_cls: type[nn.Module] = VocabParallelEmbedding
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = DecoderLayers(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.stage = stage = pipeline_stage(cfg.num_layers)
+        self.embed_tokens = self.embed_cls(cfg.vocab_size, cfg.hidden_size) \
+            if stage.first else None
+        self.layers = DecoderLayers(self.layer_cls(cfg, i) for i in stage.layers)
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) if stage.last else None
+        # [max tokens, hidden], the runner's: a graph input of fixed address like the
+        # other per-step buffers, sliced to the step's tokens.
+        self.register_buffer("pp_in", None, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, H]
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(input_ids)  # [T, H]
+        else:
+            h = self.pp_in[: input_ids.shape[0]]
         h = self.layers(positions, h)
-        return self.norm(h)
+        return self.norm(h) if self.norm is not None else h
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,13 +153,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = self.model_cls(cfg)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
+        self.stage = self.model.stage
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size) \
+            if self.stage.last else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when the checkpoint ties them (re-run after
-        any conversion that may replace parameter objects, e.g. `to_empty`)."""
-        if self.config.tie_word_embeddings:
+        any conversion that may replace parameter objects, e.g. `to_empty`). A last
+        pipeline stage without the embedding loads the tied tensor into lm_head."""
+        if self.config.tie_word_embeddings and self.stage.first and self.stage.last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -151,6 +180,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
+        name = self._stage_name(name)
+        if name is None:
+            return None
         if self.config.moe is not None:
             expert = expert_checkpoint_name(name)
             if expert is not None:
@@ -160,4 +192,23 @@ class LlamaForCausalLM(nn.Module):
             if f".{fragment}." in name:
                 return name.replace(fragment, fused), shard
         return name, None
+
+    def _stage_name(self, name: str) -> str | None:
+        """A checkpoint name as this pipeline stage's parameter name (its layers count
+        from 0); None for what another stage holds."""
+        stage = self.stage
+        if name.startswith("model.embed_tokens."):
+            if stage.first:
+                return name
+            tied = self.config.tie_word_embeddings and stage.last
+            return name.replace("model.embed_tokens.", "lm_head.") if tied else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if stage.last else None
+        match = _LAYER.match(name)
+        if match is None or stage.size == 1:
+            return name
+        index = int(match.group(1))
+        if not stage.owns_layer(index):
+            return None
+        return f"model.layers.{index - stage.start}.{name[match.end():]}"
 

@@ -75,6 +75,8 @@ def _layer_tensors(model: nn.Module, reader: object,
         if name == "model.embed_tokens.weight" and model.config.tie_word_embeddings:
             names = ["lm_head.weight"]  # the tied lm_head reads the embedding's blocks
         for n in names:
+            if n == "lm_head.weight" and getattr(model, "lm_head", None) is None:
+                continue  # a pipeline stage before the last: no LM head here
             target = model.checkpoint_name(n) if n != "lm_head.weight" else (n, None)
             if target is not None:
                 pname, shard = target

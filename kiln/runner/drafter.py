@@ -12,7 +12,9 @@ from typing import Protocol, Sequence
 
 import torch
 
+from kiln.config.compilation import CompilationConfig
 from kiln.config.speculative import SpeculativeConfig
+from kiln.models.model_config import ModelConfig
 from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow
 from kiln.spec_decode.draft_length import AcceptanceStats, StepCosts, choose_lengths
 from kiln.spec_decode.ngram import NgramProposer, TokenBytes
@@ -29,6 +31,16 @@ class DraftRunner(Protocol):
 
     def forward_rows(self, rows: list[StepRow], uniform_query_len: int = 1
                      ) -> torch.Tensor: ...
+
+
+class TargetRunner(Protocol):
+    """What `make_drafter` reads of the target's runner (a `ModelRunner`, whose class
+    also builds the draft's runner)."""
+
+    dtype: torch.dtype
+    device: torch.device
+    limits: RunnerLimits
+    num_kv_blocks: int
 
 
 class Drafter(Protocol):
@@ -158,3 +170,19 @@ class DraftModelDrafter:
                 nxt.append((s, StepRow([t], row.start + 1, row.block_ids)))
             cur = nxt
         return {rid: d for rid, d in drafts.items() if d}
+
+
+def make_drafter(config: SpeculativeConfig, target: TargetRunner,
+                 draft_config: ModelConfig | None, compilation: CompilationConfig | None,
+                 attention_backend: str | None, progress: bool) -> Drafter:
+    """The proposer: n-gram lookup, or a draft model in a runner of its own whose KV cache
+    matches the target's blocks one for one (it reads the target's block tables)."""
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    runner = type(target)(draft_config, target.dtype, target.device, target.limits,
+                          num_kv_blocks=target.num_kv_blocks,
+                          attention_backend=attention_backend, compilation=compilation,
+                          progress=progress)
+    logger.info("draft model %s ready (%d KV blocks, its own compiled graphs)",
+                draft_config.architecture, runner.num_kv_blocks)
+    return DraftModelDrafter(config, runner)

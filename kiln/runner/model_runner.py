@@ -19,7 +19,11 @@ import numpy as np
 import torch
 
 from kiln.attention.backend import AttentionMetadata
-from kiln.attention.forward_context import BatchDescriptor, ForwardContext, set_forward_context
+from kiln.attention.forward_context import (
+    BatchDescriptor,
+    ForwardContext,
+    set_forward_context,
+)
 from kiln.attention.selector import select_backend
 from kiln.compiler.build import compile_model, use_regions
 from kiln.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
@@ -35,12 +39,18 @@ from kiln.models.model_config import ModelConfig
 from kiln.models.packing import plan_signature
 from kiln.ops import cpu_kernels
 from kiln.runner.buffers import CpuGpuBuffer
-from kiln.runner.cudagraphs import (capture_all, graph_factory, resolve_dispatcher, wrap_full,
-                                    wrap_pieces)
-from kiln.runner.drafter import Drafter, DraftModelDrafter, NgramDrafter
+from kiln.runner.cudagraphs import (
+    capture_all,
+    graph_factory,
+    resolve_dispatcher,
+    wrap_full,
+    wrap_pieces,
+)
+from kiln.runner.drafter import make_drafter
 from kiln.runner.kv_alloc import build_kv_cache
 from kiln.runner.load import load_weights
 from kiln.runner.phases import Phases
+from kiln.runner.pipeline_io import pipeline_io
 from kiln.runner.prompt_logprobs import compute_prompt_logprobs
 from kiln.runner.sample_step import sample_step
 from kiln.runner.state import CachedRequestState, RunnerLimits, StepRow, adapter_blocks
@@ -83,7 +93,12 @@ class ModelRunner:
         self._init_lora(lora)
         # With speculation, uniform decode also comes as 1 + k tokens per request.
         self._spec_k = speculative.num_speculative_tokens if speculative else 0
+        # Pipeline parallelism: `pp_in` exists before tracing; the hand-off wraps the
+        # forward after compiling and capturing (which must not send anything).
+        self.pipeline = pipeline_io(self.model, limits.max_num_batched_tokens, dtype, device)
         self._init_forward(compilation, lora, progress)
+        if self.pipeline is not None:
+            self.forward = self.pipeline.wrap(self.forward)
         with phases("drafter"):
             self.drafter = None if speculative is None else make_drafter(
                 speculative, self, draft_model_config, compilation, attention_backend,
@@ -104,9 +119,11 @@ class ModelRunner:
                                      [layer.spec for layer in layers])
         self.attn_backend_cls = backend_cls
         self.attn_backends = [backend_cls(layer.spec) for layer in layers]
-        for layer in layers:
+        for i, layer in enumerate(layers):
             layer.native_op = backend_cls.native_layer_op
-            layer.layer_id.fill_(layer.layer_index)  # whatever built the model
+            # This rank's KV caches, counted from 0 (a pipeline stage's layers start later).
+            layer.layer_index = i
+            layer.layer_id.fill_(i)  # whatever built the model
         kv = build_kv_cache([layer.spec for layer in layers], self.limits.block_size,
                             self.dtype, self.device, kv_cache_memory, num_kv_blocks)
         self.kv_groups, self.kv_spec, self.layer_groups = kv.groups, kv.spec, kv.layer_groups
@@ -224,7 +241,9 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
                 ids.extend(new_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            state.num_computed_tokens = start = cached.num_computed_tokens
+            if cached.token_ids:  # pipeline stages before the last never sampled them
+                state.token_ids[start: start + len(cached.token_ids)] = cached.token_ids
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -244,6 +263,8 @@ class ModelRunner:
             self.kv_connector.start_load_kv(meta, self._kv_buffer)
         hidden = self.forward_rows(rows, self._spec_k + 1 if so.scheduled_spec_decode_tokens
                                    else 1)
+        if self.pipeline is not None and not self.pipeline.stage.last:
+            return ModelRunnerOutput(req_ids, [])  # the last stage samples and answers
         out = ModelRunnerOutput(req_ids, [], failed_loras=self.lora.failed if self.lora else {})
         if meta is not None:  # the blocks this step filled, copied out before any reuse
             for layer, kv in enumerate(self.kv_caches):
@@ -381,19 +402,3 @@ class ModelRunner:
                 sliding_window=getattr(group.spec, "sliding_window", None))
             out.append(self.attn_backend_cls.build_metadata(common))
         return out
-
-
-def make_drafter(config: SpeculativeConfig, target: ModelRunner,
-                 draft_config: ModelConfig | None, compilation: CompilationConfig | None,
-                 attention_backend: str | None, progress: bool) -> Drafter:
-    """The proposer: n-gram lookup, or a draft model in a runner of its own whose KV cache
-    matches the target's blocks one for one (it reads the target's block tables)."""
-    if config.method == "ngram":
-        return NgramDrafter(config)
-    runner = ModelRunner(draft_config, target.dtype, target.device, target.limits,
-                         num_kv_blocks=target.num_kv_blocks,
-                         attention_backend=attention_backend, compilation=compilation,
-                         progress=progress)
-    logger.info("draft model %s ready (%d KV blocks, its own compiled graphs)",
-                draft_config.architecture, runner.num_kv_blocks)
-    return DraftModelDrafter(config, runner)

@@ -31,11 +31,14 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A request already in the runner: the blocks it gained this step."""
+    """A request already in the runner: the blocks it gained this step. Under pipeline
+    parallelism also the tokens it computes this step (from `num_computed_tokens` on):
+    only the last stage samples, so the others learn the sampled tokens here."""
 
     req_id: str
     new_block_ids: tuple[list[int], ...]  # one list per KV-cache group
     num_computed_tokens: int
+    token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

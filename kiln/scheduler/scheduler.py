@@ -16,9 +16,18 @@ from typing import TYPE_CHECKING
 
 from kiln.kv_cache.kv_cache_manager import BlockLists, KVCacheManager
 from kiln.request import Request, RequestStatus
-from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                   SchedulerOutput)
-from kiln.scheduler.step import EngineCoreOutput, SchedulerPolicy, SchedulerStats, StepPlan
+from kiln.scheduler.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kiln.scheduler.step import (
+    EngineCoreOutput,
+    SchedulerPolicy,
+    SchedulerStats,
+    StepPlan,
+)
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that serve a constraint
     from kiln.kv_transfer.base import KVConnector
@@ -54,6 +63,12 @@ class Scheduler:
         self.waiting: list[Request] = []  # in admission order for the policy
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the runner next step
+        # Pipeline parallelism: steps scheduled whose output is not back yet, per request
+        # (a request in flight is neither preempted nor given more tokens than it has),
+        # and whether the runners learn each step's tokens from here (their stages before
+        # the last never sample).
+        self._in_flight: dict[str, int] = {}
+        self.send_token_ids = False
         self._arrivals = 0
         self._order: dict[str, tuple] = {}
         self.num_preemptions = 0
@@ -147,14 +162,17 @@ class Scheduler:
                 continue
             real = request.num_tokens - request.num_computed_tokens
             spec = self._usable_drafts(request)
+            if real + len(spec) == 0:
+                continue  # its last step is still in flight (pipeline parallelism)
             num_new = self._chunk(real + len(spec), step)
             spec = spec[: max(0, num_new - real)]  # a short budget verifies fewer drafts
             new_blocks = self._allocate_or_preempt(request, num_new, step)
-            if new_blocks is None:  # the request itself was preempted
+            if new_blocks is None:  # preempted itself, or waits for a step in flight
                 continue
+            done = request.num_computed_tokens
             step.cached[request.request_id] = CachedRequestData(
-                request.request_id, tuple([b.block_id for b in g] for g in new_blocks),
-                request.num_computed_tokens)
+                request.request_id, tuple([b.block_id for b in g] for g in new_blocks), done,
+                request.all_token_ids[done: done + num_new] if self.send_token_ids else None)
             step.take(request.request_id, num_new)
             if spec:
                 step.spec[request.request_id] = spec
@@ -170,6 +188,7 @@ class Scheduler:
             request = self.requests[rid]  # rejected drafts are rolled back on the output
             request.num_computed_tokens += n
             request.spec_token_ids = []
+            self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
         self._grammar_bitmask(out)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(
@@ -305,6 +324,8 @@ class Scheduler:
             if blocks is not None:
                 return blocks
             victim = self._pick_victim()
+            if victim is None:  # every other candidate is in flight: this one waits
+                return None
             self.running.remove(victim)
             self._preempt(victim)
             step.preempted.add(victim.request_id)
@@ -312,10 +333,15 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self) -> Request | None:
+        """The request to preempt; never one in flight (its step still writes its KV, and
+        its output would land on a request that restarted)."""
+        candidates = [r for r in self.running if r.request_id not in self._in_flight]
+        if not candidates:
+            return None
         if self.policy.policy == "priority":
-            return max(self.running, key=lambda r: self._order[r.request_id])
-        return self.running[-1]
+            return max(candidates, key=lambda r: self._order[r.request_id])
+        return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -335,6 +361,10 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
+        for rid in scheduler_output.num_scheduled_tokens:
+            left = self._in_flight.pop(rid, 1) - 1
+            if left:
+                self._in_flight[rid] = left
         if self.connector is not None:
             self.connector.update_connector_output(runner_output.kv_connector_stats)
         for rid, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
