@@ -126,7 +126,7 @@ def test_layer_partition_even_split_and_override():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(pipeline_parallel_size=4), "pipeline_parallel_size=4 exceeds the model's 3"),
     (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"),
-     "runs on the 'mp' executor"),
+     "runs on the 'mp' or 'ray' executor"),
     (dict(pipeline_parallel_size=2, enable_lora=True), "enable_lora does not run with"),
     (dict(pipeline_parallel_size=2,
           speculative_config={"method": "ngram", "num_speculative_tokens": 2}),

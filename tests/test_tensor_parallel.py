@@ -140,8 +140,8 @@ def test_smollm2_tp3_matches_transformers(smollm2_dir, smollm2_hf):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not split"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "'uni'"),
-    (dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
-     "distributed_executor_backend='ray'"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="slurm"),
+     "distributed_executor_backend='slurm'"),
     (dict(tensor_parallel_size=10_000), "exceeds what this host allows"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="external_launcher"),
      "torchrun"),

@@ -13,9 +13,10 @@ import torch
 from kiln.config.utils import positive_int
 from kiln.platforms.cpu import cpu_threads_per_rank
 
-# "uni": one in-process worker; "mp": a spawned process per rank; "external_launcher":
-# torchrun started every rank (kiln.executor).
-EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
+# "uni": one in-process worker; "mp": a spawned process per rank; "ray": a Ray actor per
+# rank, anywhere on a Ray cluster; "external_launcher": torchrun started every rank
+# (kiln.executor).
+EXECUTOR_BACKENDS = ("uni", "mp", "ray", "external_launcher")
 
 
 def check_parallel(tp: int, backend: str | None, device: str, pp: int = 1) -> None:
@@ -24,16 +25,17 @@ def check_parallel(tp: int, backend: str | None, device: str, pp: int = 1) -> No
     if backend is not None and backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"distributed_executor_backend={backend!r} must be one of "
                          f"{', '.join(EXECUTOR_BACKENDS)}")
-    if pp > 1 and backend not in (None, "mp"):
-        raise ValueError(f"pipeline_parallel_size={pp} runs on the 'mp' executor (one "
-                         f"process per rank); distributed_executor_backend={backend!r} "
-                         "does not run pipeline stages yet: leave it unset or use 'mp'")
+    if pp > 1 and backend not in (None, "mp", "ray"):
+        raise ValueError(f"pipeline_parallel_size={pp} runs on the 'mp' or 'ray' executor "
+                         f"(a process or actor per rank); distributed_executor_backend="
+                         f"{backend!r} does not run pipeline stages yet: leave it unset or "
+                         "use 'mp'")
     if backend == "uni" and tp > 1:
         raise ValueError(f"distributed_executor_backend='uni' runs one process but "
                          f"tensor_parallel_size={tp}: use 'mp' (the default) or "
                          "'external_launcher'")
-    if backend == "external_launcher":
-        return  # the ranks may span hosts: torchrun decides what runs where
+    if backend in ("external_launcher", "ray"):
+        return  # the ranks may span hosts: torchrun or Ray decides what runs where
     check_ranks(tp * pp, device, f"tensor_parallel_size={tp}" if pp == 1 else
                 f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} = {tp * pp}")
 

@@ -70,9 +70,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the layers into N stages, one process (group) each; "
                         "KILN_PP_LAYER_PARTITION='5,4' sets the layers per stage")
     p.add_argument("--distributed-executor-backend", default=None,
-                   choices=["uni", "mp", "external_launcher"],
+                   choices=["uni", "mp", "ray", "external_launcher"],
                    help="who runs the ranks: uni (in process, tp=1), mp (one process per "
-                        "rank; the default for tp or pp > 1), external_launcher (torchrun)")
+                        "rank; the default for tp or pp > 1), ray (an actor per rank on a "
+                        "Ray cluster: RAY_ADDRESS, else a local one), external_launcher "
+                        "(torchrun)")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (slots on every decoder linear)")
     p.add_argument("--max-loras", type=int, default=default_of("max_loras"), metavar="N",

@@ -228,7 +228,7 @@ class RankDriver(Executor):
         # Politely only between steps: interrupted mid-step (Ctrl-C, an error), the workers
         # wait in a different collective and a message would only hang to the timeout.
         graceful = graceful and not self._in_call and self._dead is None
-        if graceful and all(p.poll() is None for p in self.procs):
+        if graceful and self._find_dead() is None:
             try:
                 while self._in_flight:
                     self._receive_oldest()

@@ -13,15 +13,20 @@ def resolve_backend(backend: str | None, tp: int, pp: int = 1) -> str:
 
 
 def runs_in_process(backend: str | None, tp: int, pp: int = 1) -> bool:
-    """Whether this process holds a runner (and compiles): not under `mp`, whose
-    workers are processes of their own."""
-    return resolve_backend(backend, tp, pp) != "mp"
+    """Whether this process holds a runner (and compiles): not under `mp` or `ray`,
+    whose workers are processes (actors) of their own."""
+    return resolve_backend(backend, tp, pp) not in ("mp", "ray")
 
 
 def make_executor(backend: str | None, tp: int, spec: RunnerSpec, pp: int = 1) -> Executor:
     backend = resolve_backend(backend, tp, pp)
-    if pp > 1 and backend != "mp":  # EngineConfig refuses it first; a direct caller here
-        raise ValueError(f"pipeline_parallel_size={pp} runs on the 'mp' executor only")
+    if pp > 1 and backend not in ("mp", "ray"):  # EngineConfig refuses it first
+        raise ValueError(f"pipeline_parallel_size={pp} runs on the 'mp' and 'ray' "
+                         "executors only")
+    if backend == "ray":  # imported only when asked for: Ray is an optional extra
+        from kiln.executor.ray_executor import RayExecutor
+
+        return RayExecutor(spec, tp, pp)
     if backend == "uni":
         if tp != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank but "
