@@ -1,14 +1,16 @@
-"""Tensor parallel sizes side by side on one model, with the per-step costs of the
-transport:
+"""Tensor- and pipeline-parallel grids side by side on one model, with the per-step
+costs of the transport:
 
-    python benchmarks/tensor_parallel.py [--model DIR] [--tp 1 2] [-O 2] [--dtype float32]
-        [--new-tokens 64] [--requests 32]
+    python benchmarks/tensor_parallel.py [--model DIR] [--grid 1x1 2x1 1x2] [-O 2]
+        [--dtype float32] [--new-tokens 64] [--requests 32]
 
-For each size: batch-1 decode speed (one prompt, `--new-tokens` greedy tokens) and the
-output rate with `--requests` prompts at once; then, per engine step, the engine's time
-in the broadcast of the scheduler output (mp only) and each rank's time inside
-all-reduces (calls per step, ms per call). Ratios are against the first size. Sizes run
-one after another in this process (each is its own set of worker processes).
+A grid is TPxPP (`--tp 1 2` alone means 1x1 2x1). For each: batch-1 decode speed (one
+prompt, `--new-tokens` greedy tokens) and the output rate with `--requests` prompts at
+once; then, per engine step, the engine's time handing the scheduler output to the
+workers (mp only), each rank's time inside all-reduces, and for pipelines the bytes each
+stage hands on, the first stage's time sending them and the last stage's time waiting for
+them (which includes the earlier stages' compute). Ratios are against the first grid.
+Grids run one after another in this process (each is its own set of worker processes).
 """
 from __future__ import annotations
 
@@ -35,12 +37,16 @@ def _comm(llm: LLM) -> dict[str, Any]:
            "all_reduce_ms_per_step": [1e3 * s["all_reduce_s"] / steps for s in stats]}
     broadcast = getattr(llm.engine.executor, "broadcast_s", None)
     out["broadcast_ms_per_step"] = None if broadcast is None else 1e3 * broadcast / steps
+    first, last = stats[0], stats[-1]
+    out["pp_kb_per_step"] = first.get("pp_bytes_sent", 0) / 1e3 / steps
+    out["pp_send_ms_per_step"] = 1e3 * first.get("pp_send_s", 0.0) / steps
+    out["pp_recv_wait_ms_per_step"] = 1e3 * last.get("pp_recv_wait_s", 0.0) / steps
     return out
 
 
-def run(args: argparse.Namespace, tp: int) -> dict[str, Any]:
+def run(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
     llm = LLM(args.model, dtype=args.dtype, optimization_level=args.O, progress=False,
-              tensor_parallel_size=tp, max_model_len=512)
+              tensor_parallel_size=tp, pipeline_parallel_size=pp, max_model_len=512)
     prompt = {"prompt_token_ids": list(range(100, 132))}
     _measure(llm, [prompt], 4)  # warm: first-step allocations, graph dispatch
     b1 = _measure(llm, [prompt], args.new_tokens)
@@ -48,30 +54,35 @@ def run(args: argparse.Namespace, tp: int) -> dict[str, Any]:
     many = _measure(llm, batch, args.new_tokens)
     comm = _comm(llm)
     llm.shutdown()
-    return {"tp": tp, "b1": b1, "many": many, **comm}
+    return {"grid": f"{tp}x{pp}", "b1": b1, "many": many, **comm}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tp", type=int, nargs="+", default=None)
+    ap.add_argument("--grid", nargs="+", default=None, metavar="TPxPP")
     ap.add_argument("-O", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=32)
     args = ap.parse_args()
-    rows = [run(args, tp) for tp in args.tp]
+    grid = args.grid or [f"{tp}x1" for tp in (args.tp or [1, 2])]
+    rows = [run(args, *map(int, g.lower().split("x"))) for g in grid]
     base = rows[0]
     print(f"\nmodel {args.model or 'SmolLM2-135M'}, {args.dtype}, -O{args.O}, "
-          f"{args.new_tokens} new tokens; tok/s (ratio vs tp={base['tp']})")
-    print(f"{'tp':>3} {'batch 1':>16} {f'{args.requests} requests':>18} {'step ms':>8} "
-          f"{'bcast ms/step':>13} {'all-reduce/step':>15} {'all-reduce ms/step per rank'}")
+          f"{args.new_tokens} new tokens; tok/s (ratio vs {base['grid']})")
+    print(f"{'tpxpp':>5} {'batch 1':>16} {f'{args.requests} requests':>18} {'step ms':>8} "
+          f"{'send ms/step':>12} {'all-reduce/step':>15} {'all-reduce ms/step per rank':>27} "
+          f"{'pp KB/step':>10} {'pp send ms':>10} {'pp wait ms':>10}")
     for r in rows:
         bcast = "-" if r["broadcast_ms_per_step"] is None else f"{r['broadcast_ms_per_step']:.2f}"
         ar = ", ".join(f"{x:.2f}" for x in r["all_reduce_ms_per_step"])
-        print(f"{r['tp']:>3} {r['b1']:>8.1f} ({r['b1'] / base['b1']:.2f}x) "
+        print(f"{r['grid']:>5} {r['b1']:>8.1f} ({r['b1'] / base['b1']:.2f}x) "
               f"{r['many']:>9.1f} ({r['many'] / base['many']:.2f}x) {r['step_ms']:>8.1f} "
-              f"{bcast:>13} {r['all_reduce_per_step']:>15.0f} {ar}")
+              f"{bcast:>12} {r['all_reduce_per_step']:>15.0f} {ar:>27} "
+              f"{r['pp_kb_per_step']:>10.1f} {r['pp_send_ms_per_step']:>10.2f} "
+              f"{r['pp_recv_wait_ms_per_step']:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -64,11 +64,15 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the runner next step
         # Pipeline parallelism: steps scheduled whose output is not back yet, per request
-        # (a request in flight is neither preempted nor given more tokens than it has),
-        # and whether the runners learn each step's tokens from here (their stages before
-        # the last never sample).
+        # (a request in flight is neither preempted nor given more tokens than it has);
+        # whether the runners learn each step's tokens from here (their stages before the
+        # last never sample); and the micro-batches in flight at once: each step takes at
+        # most 1/depth of the running requests, so the next step has others to run (all
+        # in one step would leave nothing to schedule until it returns, and the stages
+        # would take turns instead of overlapping).
         self._in_flight: dict[str, int] = {}
         self.send_token_ids = False
+        self.pipeline_depth = 1
         self._arrivals = 0
         self._order: dict[str, tuple] = {}
         self.num_preemptions = 0
@@ -155,8 +159,9 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = StepPlan(self.max_num_batched_tokens)
+        share = -(-len(self.running) // self.pipeline_depth)  # ceil: at least one
         for request in list(self.running):
-            if step.budget <= 0:
+            if step.budget <= 0 or len(step.cached) >= share:
                 break
             if request.request_id in step.preempted:
                 continue
