@@ -139,3 +139,26 @@ def test_bad_pipeline_config_is_a_startup_value_error(models, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(models["llama3l"][0]), dtype="float32", optimization_level=0,
             progress=False, num_kv_blocks=16, **kwargs)
+
+
+def test_an_idle_engine_outlives_the_step_bound(models, monkeypatch):
+    """Workers wait for the engine's next message within the step bound like any other
+    message: an engine idle for longer (a server without traffic) keeps them alive with
+    keep-alives instead of reading as a hung peer."""
+    import time
+
+    from kiln import SamplingParams
+
+    monkeypatch.setenv("KILN_DIST_TIMEOUT_S", "5")
+    monkeypatch.setenv("KILN_DIST_STARTUP_TIMEOUT_S", "5")  # the workers' own bound
+    path, hf = models["llama3l"]
+    llm = LLM(str(path), dtype="float32", optimization_level=0, progress=False,
+              num_kv_blocks=32, pipeline_parallel_size=2)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for idle_s in (11, 0):
+            out = llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy, use_tqdm=False)
+            assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 12)
+            time.sleep(idle_s)
+    finally:
+        llm.shutdown()

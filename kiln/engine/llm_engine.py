@@ -18,24 +18,13 @@ from kiln.engine.batch_queue import BatchQueue, tells_workers
 from kiln.engine.detokenizer import token_namer
 from kiln.engine.output_processor import OutputProcessor, sample_ids
 from kiln.engine.outputs import RequestOutput
-from kiln.engine.startup import (
-    check_draft_model,
-    check_kv_capacity,
-    check_kv_transfer_params,
-    check_sliding_window,
-    check_tensor_parallel,
-    kv_fingerprint,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_max_model_len,
-)
-from kiln.engine.stat_loggers import (
-    iteration_stats,
-    load_stat_loggers,
-    log_engine_initialized,
-    prompt_tokens_scheduled,
-    record_all,
-)
+from kiln.engine.startup import (check_draft_model, check_kv_capacity,
+                                 check_kv_transfer_params, check_sliding_window,
+                                 check_tensor_parallel, kv_fingerprint, load_tokenizer,
+                                 resolve_dtype, resolve_max_model_len)
+from kiln.engine.stat_loggers import (iteration_stats, load_stat_loggers,
+                                      log_engine_initialized, prompt_tokens_scheduled,
+                                      record_all)
 from kiln.executor.abstract import Executor
 from kiln.executor.factory import make_executor, runs_in_process
 from kiln.executor.worker import RunnerSpec

@@ -21,11 +21,7 @@ from kiln.attention.layer import Attention
 from kiln.distributed.parallel_state import tp_size
 from kiln.distributed.pipeline import pipeline_stage
 from kiln.models.layers import DecoderLayers, RMSNorm, RotaryEmbedding, SiluAndMul
-from kiln.models.linear import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    qkv_parallel_linear,
-)
+from kiln.models.linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
 from kiln.models.model_config import ModelConfig
 from kiln.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kiln.moe.layer import SparseMoeBlock, expert_checkpoint_name

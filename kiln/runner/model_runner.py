@@ -19,11 +19,7 @@ import numpy as np
 import torch
 
 from kiln.attention.backend import AttentionMetadata
-from kiln.attention.forward_context import (
-    BatchDescriptor,
-    ForwardContext,
-    set_forward_context,
-)
+from kiln.attention.forward_context import BatchDescriptor, ForwardContext, set_forward_context
 from kiln.attention.selector import select_backend
 from kiln.compiler.build import compile_model, use_regions
 from kiln.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
@@ -39,13 +35,8 @@ from kiln.models.model_config import ModelConfig
 from kiln.models.packing import plan_signature
 from kiln.ops import cpu_kernels
 from kiln.runner.buffers import CpuGpuBuffer
-from kiln.runner.cudagraphs import (
-    capture_all,
-    graph_factory,
-    resolve_dispatcher,
-    wrap_full,
-    wrap_pieces,
-)
+from kiln.runner.cudagraphs import (capture_all, graph_factory, resolve_dispatcher, wrap_full,
+                                    wrap_pieces)
 from kiln.runner.drafter import make_drafter
 from kiln.runner.kv_alloc import build_kv_cache
 from kiln.runner.load import load_weights

@@ -16,18 +16,10 @@ from typing import TYPE_CHECKING
 
 from kiln.kv_cache.kv_cache_manager import BlockLists, KVCacheManager
 from kiln.request import Request, RequestStatus
-from kiln.scheduler.output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
-from kiln.scheduler.step import (
-    EngineCoreOutput,
-    SchedulerPolicy,
-    SchedulerStats,
-    StepPlan,
-)
+from kiln.scheduler.output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                   SchedulerOutput)
+from kiln.scheduler.step import (EngineCoreOutput, SchedulerPolicy, SchedulerStats, StepPlan,
+                                 check_stop)
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that serve a constraint
     from kiln.kv_transfer.base import KVConnector
@@ -386,7 +378,7 @@ class Scheduler:
                 new_ids.append(token_id)
                 if request.structured is not None:
                     request.structured.accept(token_id)
-                if self._check_stop(request):
+                if check_stop(request, self.max_model_len):
                     break
             outputs.append(EngineCoreOutput(rid, new_ids, request.status.finish_reason,
                                             request.stop_reason))
@@ -396,18 +388,3 @@ class Scheduler:
             elif request.structured is None:  # constrained requests are not drafted for
                 request.spec_token_ids = runner_output.spec_token_ids.get(rid, [])
         return outputs
-
-    def _check_stop(self, request: Request) -> bool:
-        params, last = request.sampling_params, request.output_token_ids[-1]
-        short = request.num_output_tokens < params.min_tokens  # the sampler bans stops then
-        if short and request.num_tokens < self.max_model_len:
-            return False
-        if not params.ignore_eos and last in request.eos_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif last in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-        elif (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-              or request.num_tokens >= self.max_model_len):
-            request.status = RequestStatus.FINISHED_LENGTH
-        return request.is_finished

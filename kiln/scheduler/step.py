@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from kiln.scheduler.output import CachedRequestData, NewRequestData
 
+from kiln.request import Request, RequestStatus
+
 if TYPE_CHECKING:
     from kiln.kv_transfer.stats import KVTransferStats
     from kiln.spec_decode.metrics import SpecDecodingStats
@@ -73,3 +75,21 @@ class StepPlan:
         self.budget += self.scheduled.pop(req_id, 0)
         self.cached.pop(req_id, None)
         self.spec.pop(req_id, None)
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Whether the token just appended finishes `request` (its status and stop reason
+    are set if so)."""
+    params, last = request.sampling_params, request.output_token_ids[-1]
+    short = request.num_output_tokens < params.min_tokens  # the sampler bans stops then
+    if short and request.num_tokens < max_model_len:
+        return False
+    if not params.ignore_eos and last in request.eos_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+    elif last in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+    elif (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+          or request.num_tokens >= max_model_len):
+        request.status = RequestStatus.FINISHED_LENGTH
+    return request.is_finished
