@@ -89,10 +89,14 @@ def test_pp_matches_transformers_across_families_levels_and_grids(models):
     warm = results[2]["counters"]  # the case before compiled (or loaded) both stages
     assert [c["num_inductor_compiles"] for c in warm] == [0, 0]
     assert [c["num_compiled_artifacts_loaded"] for c in warm] == [1, 1]
-    # An explicit split (1 + 4 layers) answers the same.
+    # An explicit split (1 + 4 layers) answers the same; int8 weights (quantized per
+    # stage) answer at pp=2 as at pp=1.
+    int8 = {"model": llama, "level": 0, "tp": 1, "engine": {"quantization": "int8"}}
     split = run_cases([{"model": qwen, "level": 0, "tp": 1, "pp": 2}],
                       env={"KILN_PP_LAYER_PARTITION": "1,4"})
     assert split[0]["tokens"] == reference(models["qwen2-tied"][1])
+    quantized = run_cases([{**int8, "pp": 2}, {**int8, "pp": 1}])
+    assert quantized[0]["tokens"] == quantized[1]["tokens"]
 
 
 def test_pp_pipelines_micro_batches_under_chunking_preemption_and_prefix_hits(models):
