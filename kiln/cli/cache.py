@@ -36,15 +36,17 @@ def cmd_warmup(args: argparse.Namespace) -> int:
           f"quantization {llm.engine.quantization.method or 'none'}, "
           f"-O{args.optimization_level}, {elapsed:.1f} s start-up")
     print(f"  start-up      {llm.engine.phases.describe()}")
-    for report in reports:
-        _print_report(report, len(reports))
+    for rank, report in enumerate(reports):
+        _print_report(report, rank, len(reports))
     return 0
 
 
-def _print_report(r: dict[str, Any], num_ranks: int) -> None:
+def _print_report(r: dict[str, Any], rank: int, num_ranks: int) -> None:
     d = r["counters"]
-    if num_ranks > 1:
-        print(f" rank {r['tp_rank']} of {num_ranks}")
+    if num_ranks > 1:  # reports come in global rank order: pp_rank * tp + tp_rank
+        stage = f" (pipeline stage {r['pp_rank']}, tp rank {r['tp_rank']})" \
+            if r.get("pp_size", 1) > 1 else ""
+        print(f" rank {rank} of {num_ranks}{stage}")
     print(f"  pieces        {d['num_piecewise_graphs_seen']} "
           f"({d['num_piecewise_capturable_graphs_seen']} compiled, "
           f"{d['num_unique_graphs']} unique graphs)")

@@ -19,7 +19,7 @@ from kiln.config.compilation import CompilationConfig
 from kiln.config.lora import LoRAConfig
 from kiln.config.quantization import QuantizationConfig
 from kiln.config.speculative import SpeculativeConfig
-from kiln.distributed.parallel_state import get_tp_group
+from kiln.distributed.parallel_state import get_pp_group, get_tp_group
 from kiln.models.model_config import ModelConfig
 from kiln.runner.model_runner import ModelRunner
 from kiln.runner.state import RunnerLimits
@@ -126,7 +126,8 @@ class Worker:
                 "shapes": [str(s) for s in backend.shapes] if backend else [],
                 "compile_time_s": backend.compile_time_s if backend else 0.0,
                 "cache_dir": str(cache.dir) if cache is not None else None,
-                "tp_rank": get_tp_group().rank}
+                "tp_rank": get_tp_group().rank, "pp_rank": get_pp_group().rank,
+                "pp_size": get_pp_group().world_size}
 
     def comm_stats(self) -> dict[str, float]:
         """Time inside all-reduces and in whole steps, for the overhead report."""
