@@ -9,6 +9,7 @@ import time
 from kiln import envs
 from kiln.config.utils import parse_bytes
 from kiln.entrypoints.args import make_llm
+from kiln.entrypoints.openai.dp_replicas import add_data_parallel_args, check_data_parallel
 
 logger = logging.getLogger(__name__)
 DEAD_GRACE_S = 2.0  # how long /health says 503 before a server whose engine died exits
@@ -56,6 +57,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: kiln always serves "
                         "tool_choice='auto' with --tool-call-parser")
+    add_data_parallel_args(p)  # -dp N: docs/distributed.md#data-parallel-serving
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -92,6 +94,7 @@ def _names(value: str | None) -> tuple[str, ...]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    data_parallel = check_data_parallel(args)
     if args.pd_proxy is not None:
         from kiln.entrypoints.openai.pd_proxy import run_proxy
 
@@ -110,6 +113,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"port={args.port} must be in 1..65535")
     max_body = parse_bytes(args.max_request_body_bytes, "max_request_body_bytes")
+    if data_parallel > 1:  # N child servers behind a router; this process runs no engine
+        from kiln.entrypoints.openai.dp_serve import run_data_parallel
+
+        return run_data_parallel(args, max_body)
     for name in (__name__, "kiln.entrypoints.openai.app", "kiln.engine.llm_engine",
                  "kiln.entrypoints.openai.serving_lora", "kiln.sampling.defaults"):
         logging.getLogger(name).setLevel(logging.INFO)  # start-up stages are always shown
