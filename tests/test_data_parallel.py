@@ -117,17 +117,22 @@ async def _concurrently(base_url: str, n: int) -> list[tuple[str, str]]:
         await client.close()
 
 
+def reference_answers(model_dir: Path, n: int) -> list[str]:
+    """One engine's greedy answers to n requests, completions and chats alternating."""
+    ref = LLM(str(model_dir), dtype="float32", progress=False, **ENGINE_KWARGS)
+    prompts = [f"Request {i}: the number {i} is" for i in range(0, n, 2)]
+    completions = ref.generate(prompts, greedy(12), use_tqdm=False)
+    chats = ref.chat([[{"role": "user", "content": f"Hi {i}"}] for i in range(1, n, 2)],
+                     greedy(12), use_tqdm=False)
+    return [o.outputs[0].text for pair in zip(completions, chats) for o in pair]
+
+
 def test_dp2_serves_32_concurrent_requests_like_one_engine(model_dir, tmp_path):
     server = start_server(model_dir, tmp_path / "dp.log", *DP_FLAGS)
     pids = [server.proc.pid]
     try:
         # The reference engine loads while the three server processes start.
-        ref = LLM(str(model_dir), dtype="float32", progress=False, **ENGINE_KWARGS)
-        prompts = [f"Request {i}: the number {i} is" for i in range(0, 32, 2)]
-        completions = ref.generate(prompts, greedy(12), use_tqdm=False)
-        chats = ref.chat([[{"role": "user", "content": f"Hi {i}"}] for i in range(1, 32, 2)],
-                         greedy(12), use_tqdm=False)
-        expected = [o.outputs[0].text for pair in zip(completions, chats) for o in pair]
+        expected = reference_answers(model_dir, 32)
         wait_ready(server)
         pids += [r["pid"] for r in replicas(server)]
         assert httpx.get(f"{server.base_url}/health").json()["replicas_alive"] == 2
@@ -279,12 +284,7 @@ def test_dp2_on_ray_serves_like_one_engine_and_leaves_nothing(model_dir, tmp_pat
                           "--data-parallel-backend", "ray")
     tree: dict[int, str] = {}
     try:
-        ref = LLM(str(model_dir), dtype="float32", progress=False, **ENGINE_KWARGS)
-        prompts = [f"Request {i}: the number {i} is" for i in range(0, 8, 2)]
-        completions = ref.generate(prompts, greedy(12), use_tqdm=False)
-        chats = ref.chat([[{"role": "user", "content": f"Hi {i}"}] for i in range(1, 8, 2)],
-                         greedy(12), use_tqdm=False)
-        expected = [o.outputs[0].text for pair in zip(completions, chats) for o in pair]
+        expected = reference_answers(model_dir, 8)
         wait_ready(server)
         tree = _process_tree(server.proc.pid)
         for name in ("gcs_server", "raylet", "ReplicaActor", "dp_child"):

@@ -4,14 +4,16 @@
 `torchrun --nproc-per-node N tp_worker.py CASES_JSON` (`external_launcher`: every rank
 runs it; rank 0 prints). Each case: {"model", "level", "tp", "backend"}, and optionally
 "pp" (pipeline stages), "lora": a PEFT adapter directory for every prompt but the first
-(LoRA sharded over the ranks), "prompts" (token-id lists instead of PROMPTS), "max_tokens"
-and "engine" (more LLM keyword arguments). Every result carries each rank's compile
+(LoRA sharded over the ranks), "prompts" (token-id lists instead of PROMPTS), "max_tokens",
+"engine" (more LLM keyword arguments) and "env" (variables set while the case runs; the
+workers inherit them). Every result carries each rank's compile
 counters, so a warm start can be checked per rank, and how many steps the engine had in
 flight at most.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from kiln import LLM, LoRARequest, SamplingParams
@@ -42,7 +44,20 @@ def run(case: dict) -> dict:
             "peak_in_flight": batches.peak if batches is not None else 1}
 
 
+def run_with_env(case: dict) -> dict:
+    saved = {k: os.environ.get(k) for k in case.get("env", {})}
+    os.environ.update(case.get("env", {}))
+    try:
+        return run(case)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 if __name__ == "__main__":
-    results = [run(case) for case in json.loads(sys.argv[1])]
+    results = [run_with_env(case) for case in json.loads(sys.argv[1])]
     if results[0]["driver"]:
         print("RESULTS " + json.dumps(results), flush=True)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.distributed.parallel_state import (destroy_distributed, init_distributed,
-                                             initialize_model_parallel)
+                                             initialize_model_parallel, timeout_s)
 from kiln.executor.messages import recv_message, send_message
 from kiln.executor.worker import RunnerSpec, Worker
 from kiln.platforms import platform_for
@@ -116,7 +116,9 @@ def _peer_lost(exc: Exception) -> bool:
 
 def _serve(worker: Worker, answers: bool, engine: int) -> None:
     while True:
-        msg: Any = recv_message(engine)
+        # Bounded by the step bound: a silent engine is a dead one (an idle engine sends
+        # keep-alives at a quarter of it).
+        msg: Any = recv_message(engine, timeout_s())
         if msg[0] == "shutdown":
             worker.flush_pipeline()
             return
