@@ -72,8 +72,13 @@ class RankDriver(Executor):
         device = torch.device(spec.device)
         port = _free_port(host)
         level = logging.getLogger().getEffectiveLevel()
-        self._start_ranks([WorkerArgs(r, tp, pp, host, port, spec, threads, level)
-                           for r in range(n)])
+        try:
+            self._start_ranks([WorkerArgs(r, tp, pp, host, port, spec, threads, level)
+                               for r in range(n)])
+        except BaseException:  # those started so far, and what holds them, go too
+            self._kill_all()
+            self._released()
+            raise
         self._output_rank = (pp - 1) * tp  # WorkerArgs.output_rank
         self._watchdog = threading.Thread(target=self._watch, name="kiln-watchdog",
                                           daemon=True)
