@@ -143,7 +143,8 @@ def test_bad_pipeline_config_is_a_startup_value_error(models, kwargs, message):
 def test_an_idle_engine_outlives_the_step_bound(models, monkeypatch):
     """Workers wait for the engine's next message within the step bound like any other
     message: an engine idle for longer (a server without traffic) keeps them alive with
-    keep-alives instead of reading as a hung peer."""
+    keep-alives instead of reading as a hung peer. Then aborted requests with steps in
+    flight are drained, and the engine answers as before."""
     import time
 
     from kiln import SamplingParams
@@ -158,5 +159,20 @@ def test_an_idle_engine_outlives_the_step_bound(models, monkeypatch):
             out = llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy, use_tqdm=False)
             assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 12)
             time.sleep(idle_s)
+        # Requests aborted with steps in flight: the engine still steps until it has
+        # received them (an unread answer would leave the last stage waiting on it).
+        engine = llm.engine
+        for i in range(4):
+            engine.add_request(f"r{i}", {"prompt_token_ids": [1, 2, 3 + i]},
+                               SamplingParams(max_tokens=50, ignore_eos=True))
+        for _ in range(5):
+            engine.step()
+        engine.abort_request([f"r{i}" for i in range(4)])
+        assert engine.has_unfinished_requests() == bool(engine.batch_queue)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert len(engine.batch_queue) == 0
+        out = llm.generate({"prompt_token_ids": PROMPTS[1]}, greedy, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPTS[1], 12)
     finally:
         llm.shutdown()

@@ -319,7 +319,10 @@ class LLMEngine:
             self.scheduler.fail_requests(ids, f"LoRA adapter {lid} could not be loaded: {why}")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to finish, or pipeline steps still in flight (their requests may
+        have been aborted meanwhile: stepping receives them, so no worker waits on an
+        answer the engine never reads)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def get_stats(self) -> SchedulerStats:
         """Running/waiting counts, KV usage, prefix-cache queries and hits, preemptions,
