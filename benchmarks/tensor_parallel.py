@@ -35,8 +35,8 @@ def _comm(llm: LLM) -> dict[str, Any]:
     out = {"steps": steps, "step_ms": 1e3 * stats[0]["step_s"] / steps,
            "all_reduce_per_step": stats[0]["all_reduce_calls"] / steps,
            "all_reduce_ms_per_step": [1e3 * s["all_reduce_s"] / steps for s in stats]}
-    broadcast = getattr(llm.engine.executor, "broadcast_s", None)
-    out["broadcast_ms_per_step"] = None if broadcast is None else 1e3 * broadcast / steps
+    send = getattr(llm.engine.executor, "send_s", None)
+    out["send_ms_per_step"] = None if send is None else 1e3 * send / steps
     first, last = stats[0], stats[-1]
     out["pp_kb_per_step"] = first.get("pp_bytes_sent", 0) / 1e3 / steps
     out["pp_send_ms_per_step"] = 1e3 * first.get("pp_send_s", 0.0) / steps
@@ -76,7 +76,7 @@ def main() -> None:
           f"{'send ms/step':>12} {'all-reduce/step':>15} {'all-reduce ms/step per rank':>27} "
           f"{'pp KB/step':>10} {'pp send ms':>10} {'pp wait ms':>10}")
     for r in rows:
-        bcast = "-" if r["broadcast_ms_per_step"] is None else f"{r['broadcast_ms_per_step']:.2f}"
+        bcast = "-" if r["send_ms_per_step"] is None else f"{r['send_ms_per_step']:.2f}"
         ar = ", ".join(f"{x:.2f}" for x in r["all_reduce_ms_per_step"])
         print(f"{r['grid']:>5} {r['b1']:>8.1f} ({r['b1'] / base['b1']:.2f}x) "
               f"{r['many']:>9.1f} ({r['many'] / base['many']:.2f}x) {r['step_ms']:>8.1f} "

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 import transformers
 
 from kiln.bench.server_proc import stop_process, wait_healthy
+from kiln.distributed.hosts import free_port  # noqa: F401  (the tests import it from here)
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny-chat"
@@ -49,12 +49,6 @@ def make_tiny_chat_model(path: Path, tokenizer_dir: Path) -> Path:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, path / name)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

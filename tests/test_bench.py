@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from kiln.cli.main import main
+from kiln.distributed.hosts import free_port
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SUMMARY = {"n", "mean", "min", "p50", "p90", "p99", "max"}
@@ -239,16 +239,10 @@ def test_serve_refuses_remote_urls(url):
         run_serve(url, 1, 4, 4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_against_kiln_serve(tiny, tmp_path):
     import httpx
 
-    port = _free_port()
+    port = free_port()
     # The tiny model has no tokenizer: the benchmark sends token-id prompts.
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "serve", tiny,
                              "--host", "127.0.0.1", "--port", str(port), "-O0"],

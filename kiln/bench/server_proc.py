@@ -3,17 +3,12 @@ real server (`kv`, `pd`, `soak`)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kiln.distributed.hosts import free_port
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float,

@@ -176,7 +176,6 @@ class LLMEngine:
                                    num_lookahead_tokens=sc.num_speculative_tokens
                                    if sc is not None and sc.uses_draft_kv else 0,
                                    kv_connector=self.kv_connector)
-        self.scheduler.send_token_ids = pp > 1  # stages before the last never sample
         depth = self.scheduler.pipeline_depth = self.executor.max_concurrent_batches
         self.batch_queue = BatchQueue(self.executor, depth) if depth > 1 else None
         self._last_stats_log = time.monotonic()

@@ -26,7 +26,6 @@ keep-alives so that a worker's wait for work is never mistaken for a hang.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import deque
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from kiln.distributed.parallel_state import (destroy_distributed, init_distributed,
                                              initialize_model_parallel, set_world_timeout,
                                              startup_timeout_s, timeout_s)
+from kiln.distributed.hosts import free_port
 from kiln.executor.abstract import Executor
 from kiln.executor.messages import Outbox, recv_message
 from kiln.executor.multiproc_worker import WorkerArgs
@@ -49,12 +49,6 @@ logger = logging.getLogger(__name__)
 
 class WorkerDiedError(RuntimeError):
     """A worker process exited or a collective failed: the engine cannot continue."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RankDriver(Executor):
@@ -70,7 +64,7 @@ class RankDriver(Executor):
         self._dead: str | None = None
         self._closing = False
         device = torch.device(spec.device)
-        port = _free_port(host)
+        port = free_port(host)
         level = logging.getLogger().getEffectiveLevel()
         try:
             self._start_ranks([WorkerArgs(r, tp, pp, host, port, spec, threads, level)
@@ -83,7 +77,7 @@ class RankDriver(Executor):
         self._watchdog = threading.Thread(target=self._watch, name="kiln-watchdog",
                                           daemon=True)
         self._watchdog.start()
-        self.broadcast_s = 0.0  # engine-side time handing each step to the workers
+        self.send_s = 0.0  # engine-side time handing each step to the workers
         self._outbox = Outbox()
         self._lock = threading.Lock()  # one message at a time (the keep-alive thread too)
         self._last_send = time.monotonic()
@@ -196,7 +190,7 @@ class RankDriver(Executor):
             self._send(("execute", so))
         except RuntimeError:
             raise self._error() from None
-        self.broadcast_s += time.perf_counter() - start
+        self.send_s += time.perf_counter() - start
         handle = StepHandle(self)
         self._in_flight.append(handle)
         return handle

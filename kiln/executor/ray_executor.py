@@ -20,6 +20,7 @@ killed and the placement group removed on any stop, so nothing stays on the clus
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kiln.distributed.hosts import import_ray
 from kiln.distributed.parallel_state import startup_timeout_s
 from kiln.executor.driver import RankDriver, WorkerDiedError, describe_grid
 from kiln.executor.multiproc_worker import WorkerArgs, worker_main
@@ -35,15 +37,6 @@ from kiln.executor.worker import RunnerSpec
 logger = logging.getLogger(__name__)
 __all__ = ["RayExecutor", "WorkerDiedError"]
 _ENV_PREFIXES = ("KILN_", "TORCHINDUCTOR_", "TRITON_", "VLLM_PP_LAYER_PARTITION")
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install "
-                         "'kiln-llm[ray]' (or ray), or use 'mp'") from None
-    return ray
 
 
 class RankActor:
@@ -64,7 +57,7 @@ class RankActor:
 
 class RayExecutor(RankDriver):
     def __init__(self, spec: RunnerSpec, tp: int, pp: int = 1) -> None:
-        ray = self._ray = import_ray()
+        ray = self._ray = import_ray("distributed_executor_backend='ray'", "'mp'")
         self._own_cluster = not ray.is_initialized()
         if self._own_cluster:
             address = os.environ.get("RAY_ADDRESS")
@@ -110,8 +103,8 @@ class RayExecutor(RankDriver):
         self.nodes = self._ray.get([actor.node.remote() for actor in self._actors])
         for a, (node, ip) in zip(args, self.nodes):
             logger.info("rank %d on node %s (%s)", a.rank, ip, node[:12])
-        self._runs = [actor.run.remote(WorkerArgs(**{**_fields(a),
-                                                     "device_index": 0 if cuda else None}))
+        index = 0 if cuda else None  # a CUDA actor sees its own GPU only
+        self._runs = [actor.run.remote(dataclasses.replace(a, device_index=index))
                       for actor, a in zip(self._actors, args)]
 
     def _find_dead(self) -> str | None:
@@ -149,6 +142,3 @@ class RayExecutor(RankDriver):
         if self._own_cluster and self._ray.is_initialized():
             self._ray.shutdown()
 
-
-def _fields(a: WorkerArgs) -> dict[str, Any]:
-    return {name: getattr(a, name) for name in WorkerArgs.__dataclass_fields__}

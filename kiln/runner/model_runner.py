@@ -89,7 +89,7 @@ class ModelRunner:
         self.pipeline = pipeline_io(self.model, limits.max_num_batched_tokens, dtype, device)
         self._init_forward(compilation, lora, progress)
         if self.pipeline is not None:
-            self.forward = self.pipeline.wrap(self.forward)
+            self.forward = self.pipeline.wrap(self.forward, bool(self.dispatcher.mode))
         with phases("drafter"):
             self.drafter = None if speculative is None else make_drafter(
                 speculative, self, draft_model_config, compilation, attention_backend,

@@ -44,9 +44,14 @@ class PipelineIO:
                                       device=device)
             model.model.pp_in = self.buffer
         self._sending: tuple[dist.Work, torch.Tensor] | None = None
+        self._copy = False
         self.stats = {"recv_wait_s": 0.0, "send_s": 0.0, "bytes_sent": 0, "steps": 0}
 
-    def wrap(self, forward: Forward) -> Forward:
+    def wrap(self, forward: Forward, replays_graphs: bool = False) -> Forward:
+        """`replays_graphs`: the forward's output is a captured graph's buffer, which the
+        next replay rewrites, so what is sent is a copy."""
+        self._copy = replays_graphs
+
         def staged(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             n = input_ids.shape[0]
             if self.buffer is not None:
@@ -63,8 +68,7 @@ class PipelineIO:
     def _send(self, hidden: torch.Tensor) -> None:
         start = time.perf_counter()
         self.wait_sent()
-        # A copy: a captured graph's output buffer is rewritten by the next replay.
-        out = hidden.contiguous().clone()
+        out = hidden.clone() if self._copy else hidden.contiguous()
         self._sending = (dist.isend(out, dst=self.next, group=self.group), out)
         self.stats["send_s"] += time.perf_counter() - start
         self.stats["bytes_sent"] += out.numel() * out.element_size()

@@ -56,14 +56,13 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the runner next step
         # Pipeline parallelism: steps scheduled whose output is not back yet, per request
-        # (a request in flight is neither preempted nor given more tokens than it has);
-        # whether the runners learn each step's tokens from here (their stages before the
-        # last never sample); and the micro-batches in flight at once: each step takes at
-        # most 1/depth of the running requests, so the next step has others to run (all
-        # in one step would leave nothing to schedule until it returns, and the stages
-        # would take turns instead of overlapping).
+        # (a request in flight is neither preempted nor given more tokens than it has),
+        # and the pipeline's stages, one step in flight each (set by the engine). With
+        # more than one, each step takes at most 1/depth of the running requests, so the
+        # next step has others to run (all in one step would leave nothing to schedule
+        # until it returns: the stages would take turns), and the runners learn each
+        # step's tokens from here (the stages before the last never sample).
         self._in_flight: dict[str, int] = {}
-        self.send_token_ids = False
         self.pipeline_depth = 1
         self._arrivals = 0
         self._order: dict[str, tuple] = {}
@@ -169,7 +168,8 @@ class Scheduler:
             done = request.num_computed_tokens
             step.cached[request.request_id] = CachedRequestData(
                 request.request_id, tuple([b.block_id for b in g] for g in new_blocks), done,
-                request.all_token_ids[done: done + num_new] if self.send_token_ids else None)
+                request.all_token_ids[done: done + num_new] if self.pipeline_depth > 1
+                else None)
             step.take(request.request_id, num_new)
             if spec:
                 step.spec[request.request_id] = spec

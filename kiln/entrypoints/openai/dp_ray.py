@@ -22,34 +22,19 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from typing import IO, Any
 
-from kiln.entrypoints.openai.dp_replicas import (
-    _LOG_TAIL_LINES,
-    Replica,
-    ReplicaSet,
-    ReplicaStartError,
-    child_argv,
-)
+from kiln.distributed.hosts import free_port, import_ray
+from kiln.entrypoints.openai.dp_replicas import (_LOG_TAIL_LINES, RAY_BACKEND, Replica,
+                                                 ReplicaSet, ReplicaStartError, child_argv)
 
 logger = logging.getLogger(__name__)
 _ENV_PREFIXES = ("KILN_", "TORCHINDUCTOR_")  # on a cluster, actors don't inherit ours
 _KILLED = -int(signal.SIGKILL)  # a replica whose actor died: its child got SIGKILL too
 PLACE_TIMEOUT_S = 60.0  # placement group and actors: more means the cluster is too small
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ValueError("data_parallel_backend='ray' needs Ray: pip install "
-                         "'kiln-llm[ray]' (or ray), or use --data-parallel-backend mp") \
-            from None
-    return ray
 
 
 class ReplicaActor:
@@ -68,9 +53,7 @@ class ReplicaActor:
         import ray
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
+        port = free_port(ip)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kiln.entrypoints.openai.dp_child", str(os.getpid()),
              "", *child_argv(argv, port, ip)],  # "": Ray owns CPU placement, no pinning
@@ -154,7 +137,7 @@ class RayReplicaSet(ReplicaSet):
 
     @classmethod
     def start(cls, argv: list[str], n: int, ranks: int) -> RayReplicaSet:
-        ray = import_ray()
+        ray = import_ray(*RAY_BACKEND)
         own = not ray.is_initialized()
         if own:
             address = os.environ.get("RAY_ADDRESS")

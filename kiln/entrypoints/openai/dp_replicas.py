@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,8 +24,14 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
+from kiln.distributed.hosts import free_port, import_ray
+
 logger = logging.getLogger(__name__)
 DP_BACKENDS = ("mp", "ray")  # vLLM's --data-parallel-backend names
+# For the message when Ray is missing: what asked for it, and what needs none.
+RAY_BACKEND = ("data_parallel_backend='ray'",
+               "--data-parallel-backend mp (the default: the replicas as processes on "
+               "this host)")
 _DP_FLAGS = ("-dp", "--data-parallel-size", "--data-parallel-backend")
 _LOG_TAIL_LINES = 40  # a failed start-up shows this much of the child's output
 
@@ -51,10 +55,8 @@ def check_data_parallel(args: argparse.Namespace) -> int:
                          "no router)")
     if n == 1:
         return n
-    if args.data_parallel_backend == "ray" and importlib.util.find_spec("ray") is None:
-        raise ValueError("data_parallel_backend='ray' needs Ray: pip install "
-                         "'kiln-llm[ray]' (or ray), or use --data-parallel-backend mp "
-                         "(the default: the replicas as processes on this host)")
+    if args.data_parallel_backend == "ray":
+        import_ray(*RAY_BACKEND)  # missing: refused before anything starts
     if args.pd_proxy is not None:
         raise ValueError(f"--pd-proxy runs no engine, so data_parallel_size={n} has "
                          "nothing to replicate: drop -dp, or give -dp to the prefill and "
@@ -130,12 +132,6 @@ def device_slices(n: int, ranks: int) -> list[str] | None:
                          f"needs {n * ranks} CUDA devices, {len(visible)} are visible: "
                          "lower -dp")
     return [",".join(visible[i * ranks:(i + 1) * ranks]) for i in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ReplicaStartError(RuntimeError):
