@@ -19,7 +19,7 @@ tests and launchers change them between engines.
 | KILN_PLUGINS | comma-separated entry-point names: only these plugins load, in every group (`""`: none) | unset: all |
 | KILN_KV_PREFAULT | `all` backs the whole CPU KV cache at start-up (steady memory from the first request; `kiln bench soak` sets it), else only its first blocks | first blocks |
 | KILN_PP_LAYER_PARTITION | layers per pipeline stage, comma-separated (`"5,4"`; vLLM's VLLM_PP_LAYER_PARTITION works too) | an even split |
-| KILN_PROBE_T0 | set by `kiln bench compile` for the start-up probe it spawns: the spawn time | unset |
+| KILN_PROBE_T0 | set by `kiln bench compile` for the start-up probe it spawns: the spawn time (`time.monotonic()`, host-wide) | unset |
 
 Other programs' variables kiln passes on or reads as theirs (TRITON_INTERPRET, torchrun's
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR, CXX) are read where they are used.

@@ -70,7 +70,7 @@ def _timed(fn: Callable[[], int]) -> tuple[float, int]:
 
 def measure(engine: Engine, spec: Spec, spawned: float) -> dict[str, Any]:
     engine.generate([spec.startup_prompt], 1)
-    result: dict[str, Any] = {"startup_s": time.time() - spawned}
+    result: dict[str, Any] = {"startup_s": time.monotonic() - spawned}
     if spec.startup_only:
         return result
     engine.generate(spec.warmup_prompts, 4)
@@ -101,7 +101,7 @@ def run(make_engine: Callable[[Spec], tuple[Engine, dict[str, Any]]]) -> int:
     """Worker entry point: `worker.py SPEC.json`. `make_engine` returns the engine and
     facts worth recording (versions, effective settings). Errors are reported in the
     result line (with a non-zero exit) so the orchestrator can show them as a row."""
-    spawned = float(os.environ.get("PEERS_T0") or time.time())
+    spawned = float(os.environ.get("PEERS_T0") or time.monotonic())
     out: dict[str, Any] = {}
     code = 0
     try:

@@ -114,7 +114,7 @@ def run_process(python: str, run: EngineRun, spec: dict[str, Any], log: Path,
         env.pop("PYTHONPATH", None)
     if threads:  # smoke tests on a busy machine only: the default is each engine's own
         env["OMP_NUM_THREADS"] = str(threads)
-    env["PEERS_T0"] = repr(time.time())
+    env["PEERS_T0"] = repr(time.monotonic())  # host-wide, never jumps
     with open(log, "w") as out:
         # A session of its own, so a timeout can end the worker and its children (vLLM's
         # engine core process) together.

@@ -52,11 +52,11 @@ def run_compile(levels: Sequence[int], engine_argv: list[str],
 
 
 def _probe(argv: list[str], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
-    start = time.perf_counter()
-    env = {**env, "KILN_PROBE_T0": repr(time.time())}
+    start = time.monotonic()
+    env = {**env, "KILN_PROBE_T0": repr(start)}
     proc = subprocess.run([sys.executable, "-m", "kiln.bench.startup_probe", *argv],
                           env=env, capture_output=True, text=True, timeout=timeout_s)
-    elapsed = time.perf_counter() - start
+    elapsed = time.monotonic() - start
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         raise ValueError(f"the start-up probe failed (exit {proc.returncode}) for engine "
