@@ -280,15 +280,16 @@ def test_serve_against_kiln_serve(tiny, tmp_path):
 def test_quality_reports_perplexity_and_agreement(tmp_path):
     """`kiln bench quality` on the embedded model, float32, eager: its native GGUF weights
     are the same values as the dequantized checkpoint, so perplexity and greedy outputs
-    agree; int8 stays within 1% perplexity."""
+    agree; int8 stays within 2% perplexity over the text's first 510 tokens (0.75% over
+    the whole text in 256-token windows; two windows keep the suite's budget)."""
     r = bench(tmp_path, "quality", "-O0", "--dtype", "float32", "--methods", "none", "int8",
-              "gguf", "--window", "256", "--max-tokens", "8")
+              "gguf", "--window", "256", "--max-windows", "2", "--max-tokens", "8")
     rows = {row["method"]: row for row in r["rows"]}
     assert set(rows) == {"none", "int8", "gguf"}
-    assert rows["none"]["tokens_scored"] > 1000 and 5 < rows["none"]["perplexity"] < 100
+    assert rows["none"]["tokens_scored"] == 2 * 255 and 5 < rows["none"]["perplexity"] < 100
     assert abs(rows["gguf"]["perplexity_vs_none"]) < 1e-3
     assert rows["gguf"]["greedy_identical"] == rows["gguf"]["greedy_prompts"] == 8
-    assert abs(rows["int8"]["perplexity_vs_none"]) < 0.01
+    assert abs(rows["int8"]["perplexity_vs_none"]) < 0.02
 
 
 def test_lora_overhead(tiny, tmp_path, capsys):

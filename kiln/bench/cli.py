@@ -87,6 +87,8 @@ def add_bench_parser(sub: Any) -> None:
     qual.add_argument("--methods", nargs="+", default=methods, choices=methods)
     qual.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     qual.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    qual.add_argument("--max-windows", type=int, default=None,
+                      help="score only the text's first N windows (default: all of it)")
     samp = modes.add_parser("sampling", help="loop rate, distinct-2 and length of chat "
                             "answers per candidate default sampling parameters")
     add_engine_args(samp)
@@ -202,7 +204,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return make_llm(argparse.Namespace(**{**vars(args), "model": model,
                                                   "quantization": quantization}))
 
-        result = run_quality(make, args.model, args.methods, args.window, args.max_tokens)
+        result = run_quality(make, args.model, args.methods, args.window, args.max_tokens,
+                             args.max_windows)
     elif mode == "sampling":
         from kiln.bench.chat_defaults import format_chat_defaults as fmt, run_chat_defaults
 

@@ -27,10 +27,12 @@ PROMPTS = [
 ]
 
 
-def text_windows(tokenizer: Any, window: int) -> list[list[int]]:
+def text_windows(tokenizer: Any, window: int, max_windows: int | None = None
+                 ) -> list[list[int]]:
     ids = tokenizer.encode(TEXT.read_text())
-    return [ids[i:i + window] for i in range(0, len(ids) - 1, window)
-            if len(ids[i:i + window]) > 1]
+    windows = [ids[i:i + window] for i in range(0, len(ids) - 1, window)
+               if len(ids[i:i + window]) > 1]
+    return windows[:max_windows]
 
 
 def perplexity(llm: Any, windows: list[list[int]]) -> tuple[float, int]:
@@ -77,7 +79,8 @@ def method_models(model: str | None) -> dict[str, tuple[str | None, str]]:
 
 
 def run_quality(make_llm: Callable[[str | None, str], Any], model: str | None,
-                methods: list[str], window: int, max_tokens: int) -> dict[str, Any]:
+                methods: list[str], window: int, max_tokens: int,
+                max_windows: int | None = None) -> dict[str, Any]:
     available = method_models(model)
     rows, ref_tokens = [], None
     for method in ["none"] + [m for m in methods if m != "none"]:
@@ -86,7 +89,7 @@ def run_quality(make_llm: Callable[[str | None, str], Any], model: str | None,
             continue
         t0 = time.perf_counter()
         llm = make_llm(*available[method])
-        windows = text_windows(llm.get_tokenizer(), window)
+        windows = text_windows(llm.get_tokenizer(), window, max_windows)
         ppl, count = perplexity(llm, windows)
         tokens = greedy(llm, max_tokens)
         ref_tokens = ref_tokens or tokens
