@@ -260,7 +260,9 @@ def test_torch_distributed_pd_equals_one_instance(tiny):
     path, refs = tiny
     port = free_port()
     prefill = _llm(path, kv_transfer_config=_pd("kv_producer", port))
-    decode = _llm(path, kv_transfer_config=_pd("kv_consumer", port, remote_timeout_s=60))
+    # The decode instance at -O2 (the graph the disk-tier test at -O2 compiled): loaded
+    # blocks feed compiled steps.
+    decode = _llm(path, 2, kv_transfer_config=_pd("kv_consumer", port, remote_timeout_s=60))
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     assert [t[:1] for t in _tokens(prefill, params=one)] == [r[:1] for r in refs]
     assert _decode(decode, PROMPTS, GREEDY, remote=True) == refs

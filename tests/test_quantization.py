@@ -166,8 +166,9 @@ def _greedy(llm, prompts, n=12):
                                                          use_tqdm=False)]
 
 
-def _write_dequantized(src: Path, dst: Path, quantize) -> None:
-    """The same checkpoint with every linear weight replaced by dequant(quantize(w))."""
+def _write_dequantized(src: Path, dst: Path, quantize, skip: str | None = None) -> None:
+    """The same checkpoint with every linear weight replaced by dequant(quantize(w)),
+    but those whose names contain `skip` (what kiln leaves in float)."""
     from safetensors.torch import load_file, save_file
 
     dst.mkdir()
@@ -176,7 +177,7 @@ def _write_dequantized(src: Path, dst: Path, quantize) -> None:
             (dst / f.name).write_bytes(f.read_bytes())
     state = load_file(str(src / "model.safetensors"))
     for name, t in state.items():
-        if t.dim() == 2 and "embed_tokens" not in name:
+        if t.dim() == 2 and "embed_tokens" not in name and (skip is None or skip not in name):
             state[name] = dequantize(quantize(t))
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
 

@@ -5,8 +5,9 @@
 runs it; rank 0 prints). Each case: {"model", "level", "tp", "backend"}, and optionally
 "pp" (pipeline stages), "lora": a PEFT adapter directory for every prompt but the first
 (LoRA sharded over the ranks), "prompts" (token-id lists instead of PROMPTS), "max_tokens",
-"engine" (more LLM keyword arguments) and "env" (variables set while the case runs; the
-workers inherit them). Every result carries each rank's compile
+"engine" (more LLM keyword arguments), "params" (SamplingParams keyword arguments per
+prompt, a "regex" among them constraining that prompt) and "env" (variables set while the
+case runs; the workers inherit them). Every result carries each rank's compile
 counters, so a warm start can be checked per rank, and how many steps the engine had in
 flight at most.
 """
@@ -30,18 +31,35 @@ def run(case: dict) -> dict:
               distributed_executor_backend=case.get("backend"), enable_lora=bool(lora),
               max_lora_rank=8, **engine)
     prompts = case.get("prompts", PROMPTS)
-    params = SamplingParams(temperature=0, max_tokens=case.get("max_tokens", 12),
-                            ignore_eos=True)
+    params = [sampling(case.get("max_tokens", 12), extra)
+              for extra in case.get("params", [{}] * len(prompts))]
     loras = [None] + [LoRARequest("a", 1, lora)] * (len(prompts) - 1) if lora else None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                         lora_request=loras)
     reports = llm.engine.executor.collective_rpc("compile_report")
     driver = llm.engine.executor.is_driver
     batches = llm.engine.batch_queue
+    stats = llm.engine.get_stats()
+    spec = stats.spec_decoding
     llm.shutdown()
     return {"driver": driver, "tokens": [o.outputs[0].token_ids for o in outs],
             "counters": [r["counters"] for r in reports],
-            "peak_in_flight": batches.peak if batches is not None else 1}
+            "peak_in_flight": batches.peak if batches is not None else 1,
+            "texts": [o.outputs[0].text for o in outs],
+            "drafts_accepted": spec.num_accepted_tokens if spec is not None else 0,
+            "prefix_hits": stats.prefix_cache_hits}
+
+
+def sampling(max_tokens: int, extra: dict) -> SamplingParams:
+    from kiln.structured_output.params import StructuredOutputsParams
+
+    extra = dict(extra)
+    regex = extra.pop("regex", None)
+    if "logit_bias" in extra:  # JSON keys are strings
+        extra["logit_bias"] = {int(k): v for k, v in extra["logit_bias"].items()}
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=regex is None,
+                          structured_outputs=None if regex is None
+                          else StructuredOutputsParams(regex=regex), **extra)
 
 
 def run_with_env(case: dict) -> dict:

@@ -152,6 +152,14 @@ class EngineConfig:
             raise ValueError("kv_transfer_config runs with tensor_parallel_size=1 only (the "
                              "scheduler side reads every block it loads, and ranks hold "
                              "different heads); use -tp 1")
+        sc = self.speculative_config
+        if self.kv_transfer_config is not None and sc is not None and sc.uses_draft_kv:
+            # The connector moves the target's KV only: a prefix loaded from a tier or a
+            # prefill instance leaves the draft's slots for it stale, and acceptance would
+            # drop with no sign. Refused rather than degraded silently.
+            raise ValueError("speculative_config.method='draft_model' does not run with "
+                             "kv_transfer_config yet (a loaded prefix carries the target's "
+                             "KV, not the draft's); use method 'ngram' with a KV connector")
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRAConfig when LoRA is on, else None."""
