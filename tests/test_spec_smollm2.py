@@ -58,13 +58,16 @@ def test_stop_string_inside_accepted_tokens_ends_exactly_there(ngram_llm, ground
 
 
 def test_smollm2_drafting_for_itself_accepts_nearly_everything(smollm2_dir, grounded):
+    """The first half of each reference answer (a draft model costs k forwards a step:
+    the whole answers took 24 s of the suite's budget)."""
     prompts, refs = grounded
     llm = LLM(str(smollm2_dir), dtype="float32", optimization_level=2, progress=False,
               max_model_len=512,
               speculative_config={"method": "draft_model", "model": str(smollm2_dir),
                                   "num_speculative_tokens": 3})
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW),
+    n = MAX_NEW // 2
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n),
                         use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert [o.outputs[0].token_ids for o in outs] == [r[:n] for r in refs]
     spec = llm.engine.get_stats().spec_decoding
-    assert spec.num_draft_tokens > 100 and spec.acceptance_rate > 0.9
+    assert spec.num_draft_tokens > 50 and spec.acceptance_rate > 0.9
