@@ -274,15 +274,15 @@ def test_families_with_lora_ngram_constraints_int8_and_more(kind, tmp_path, smol
         llm.shutdown()
         got, _ = _through_pd(path, unbiased, **LORA_KW)
         assert _tokens(got) == want
-    # int8 quantizes the linears; the experts and the router stay float (stated at
-    # start-up).
+    # int8 quantizes the attention and dense linears; the experts and the router stay
+    # float (a start-up warning says so).
     _write_dequantized(path, tmp_path / "int8-ref", quantize_int8_groups,
                        skip="block_sparse_moe")
     free = Rows(model.config.vocab_size, None, constrained=False)
     ref = _tokens(free.run(LLM(str(tmp_path / "int8-ref"), **KW)))
-    with caplog.at_level(logging.WARNING, logger="kiln.engine.startup"):
+    with caplog.at_level(logging.WARNING, logger="kiln.runner.load"):
         llm = LLM(str(path), **KW, quantization="int8")
-    assert ("expert stacks and router stay" in caplog.text) == (kind == "mixtral")
+    assert ("the experts' weights stay" in caplog.text) == (kind == "mixtral")
     assert _tokens(free.run(llm)) == ref
 
 
@@ -378,3 +378,13 @@ def test_pairs_refused_at_start_up_name_both_features(tmp_path, tiny_models):
                                          "sliding-window layers"):
         LLM(str(tmp_path / "gemma2"), progress=False, optimization_level=0,
             kv_transfer_config=_pd("kv_producer", 1))
+    # A hybrid whose two stages would hold different window/full mixes (layers 0-1 full,
+    # 2-3 sliding): the workers find it at start-up.
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+        **dict(TINY, num_hidden_layers=4), use_sliding_window=True, sliding_window=24,
+        max_window_layers=2)).save_pretrained(tmp_path / "qwen2")
+    with pytest.raises(ValueError, match="pipeline stages lay out their KV cache "
+                                         "differently.*sliding-window"):
+        LLM(str(tmp_path / "qwen2"), progress=False, optimization_level=0, dtype="float32",
+            pipeline_parallel_size=2, distributed_executor_backend="mp")

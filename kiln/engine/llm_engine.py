@@ -21,8 +21,7 @@ from kiln.engine.outputs import RequestOutput
 from kiln.engine.startup import (check_draft_model, check_kv_capacity,
                                  check_kv_transfer_params, check_sliding_window,
                                  check_tensor_parallel, kv_fingerprint, load_tokenizer,
-                                 note_unquantized_experts, resolve_dtype,
-                                 resolve_max_model_len)
+                                 resolve_dtype, resolve_max_model_len)
 from kiln.engine.stat_loggers import (iteration_stats, load_stat_loggers,
                                       log_engine_initialized, prompt_tokens_scheduled,
                                       record_all)
@@ -103,7 +102,6 @@ class LLMEngine:
         check_sliding_window(mc, config)
         self.quantization = qc = resolve_quantization(config.quantization, path,
                                                       gguf_source(config.model))
-        note_unquantized_experts(mc, qc.method)
         platform = platform_for(config.device)
         if qc.method is not None and qc.method != "none" and \
                 qc.method not in platform.supported_quantization:

@@ -96,16 +96,6 @@ def check_sliding_window(mc: ModelConfig, config: EngineConfig) -> None:
                          "share yet; use method 'ngram'")
 
 
-def note_unquantized_experts(mc: ModelConfig, method: str | None) -> None:
-    """int8 and fp8 quantize the linears; a MoE model's expert stacks (most of its
-    weights) and its router stay in the activation dtype. Said once, so that a memory
-    figure that barely moves is not a surprise."""
-    if mc.moe is not None and method not in (None, "none", "gguf"):
-        logger.warning("quantization=%r: %s's expert stacks and router stay in the "
-                       "activation dtype (kiln quantizes its linears only)", method,
-                       mc.architecture)
-
-
 def check_kv_capacity(num_blocks: int, groups: list[KVCacheGroupSpec], max_model_len: int,
                       max_chunk: int) -> None:
     """One request of max_model_len tokens must fit the pool alone, in every group at

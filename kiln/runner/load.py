@@ -28,7 +28,7 @@ def load_weights(model_config: ModelConfig, quantization: QuantizationConfig,
         cpu_kernels.ensure_planned(default_cache_root(), progress)
     model = build_model(model_config, dtype, device, progress)
     logger.info("quantization %s", apply_quantization(model, quantization, dtype))
-    if model_config.moe is not None and quantization.method:
+    if model_config.moe is not None and quantization.method not in (None, "none"):
         logger.warning("quantization %s covers the attention and dense linears; the "
                        "experts' weights stay %s", quantization.method, dtype)
     if dtype == torch.bfloat16 and device.type == "cpu":
