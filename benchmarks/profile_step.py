@@ -1,7 +1,8 @@
-"""Where a decode step's time goes: `python benchmarks/profile_step.py [--batch N]`.
+"""Where a step's time goes: `python benchmarks/profile_step.py [--batch N | --prefill N]`.
 
 Runs the default model (CLI defaults unless flags say otherwise), warms up, then profiles
-`--steps` decode steps with torch.profiler and prints milliseconds per step by category:
+`--steps` decode steps (or, with `--prefill N`, the prefill step of one N-token prompt,
+best of `--steps`) with torch.profiler and prints milliseconds per step by category:
 
   linear     weight matmuls (kiln's packed kernel, aten mm/addmm/linear, oneDNN), with
              whatever runs inside them (a per-call weight copy shows here, and by name
@@ -66,12 +67,18 @@ def main() -> None:
     ap.add_argument("-O", dest="level", type=int, default=2)
     ap.add_argument("-q", "--quantization", default=None, help="int8 | gguf | none")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 (GGUF)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="profile the prefill of one N-token prompt instead of decode steps")
     args = ap.parse_args()
 
     from kiln import LLM, SamplingParams
 
+    budget = {"max_num_batched_tokens": max(2048, args.prefill),
+              "max_model_len": max(2048, args.prefill + 8)} if args.prefill else {}
     llm = LLM(args.model, dtype=args.dtype, optimization_level=args.level, progress=False,
-              quantization=args.quantization)
+              quantization=args.quantization, **budget)
+    if args.prefill:
+        return profile_prefill(llm, args)
     prompts = [{"prompt_token_ids": [1] + [100 + i + j for j in range(31)]}
                for i in range(args.batch)]
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -88,20 +95,49 @@ def main() -> None:
         wall = (time.perf_counter() - start) * 1e3 / args.steps
     while engine.has_unfinished_requests():
         engine.step()
+    print(f"decode step, batch {args.batch}, {engine.dtype}, -O{args.level}: {wall:.1f} "
+          f"ms/step ({1e3 * args.batch / wall:.1f} tok/s under the profiler)")
+    report(prof, wall, args.steps)
+
+
+def report(prof, wall_ms: float, steps: int) -> None:
+    """Milliseconds per step by category (see the module's docstring)."""
     events = prof.events()
-    per_step = 1e3 * args.steps
+    per_step = 1e3 * steps
     totals = {name: outermost_total_us(events, ops) / per_step
               for name, ops in TOTAL_OPS.items()}
     totals["compiled"] = sum(e.self_cpu_time_total for e in prof.key_averages()
                              if e.key.startswith("## Call CompiledFxGraph")) / per_step
-    totals["other"] = max(0.0, wall - sum(totals.values()))
-    dtype = engine.dtype
-    print(f"decode step, batch {args.batch}, {dtype}, -O{args.level}: {wall:.1f} ms/step "
-          f"({1e3 * args.batch / wall:.1f} tok/s under the profiler)")
+    totals["other"] = max(0.0, wall_ms - sum(totals.values()))
     for name, ms in totals.items():
-        print(f"  {name:<10} {ms:6.1f} ms  {100 * ms / wall:5.1f}%")
+        print(f"  {name:<10} {ms:6.1f} ms  {100 * ms / wall_ms:5.1f}%")
     print(f"  inside linear, all steps (self time): "
           f"{top_children(events, TOTAL_OPS['linear'])}")
+
+
+def profile_prefill(llm, args) -> None:
+    """The fastest of `--steps` prefills of one fresh prompt (no prefix hit), profiled
+    one at a time; the report is that fastest step's."""
+    from kiln import SamplingParams
+
+    engine, one = llm.engine, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    best = None
+    for i in range(args.steps + 1):  # the first one warms up
+        # Distinct first tokens: no two prompts share a block, so nothing hits the cache.
+        prompt = [1] + [(100 + 7919 * i + 31 * j) % 40000 + 50 for j in range(args.prefill - 1)]
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, one)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            engine.step()
+            wall = (time.perf_counter() - start) * 1e3
+        while engine.has_unfinished_requests():
+            engine.step()
+        if i and (best is None or wall < best[0]):
+            best = wall, prof
+    wall, prof = best
+    print(f"prefill of {args.prefill} tokens, {engine.dtype}, -O{args.level}: {wall:.1f} ms "
+          f"({1e3 * args.prefill / wall:.0f} tok/s under the profiler)")
+    report(prof, wall, 1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@
 // query_start_loc int32; decode_reqs int64 [R, 2] (runs, see decode_impl), prefill_reqs
 // int64 [P]. Decode rows run in the kernel below (fp32 arithmetic; bf16 dot products for
 // bf16 caches on AVX512-BF16 builds, see scores_bf16); prefill rows gather their
-// blocks and call SDPA with a bottom-right causal mask, exactly as the torch backend does.
+// blocks and call SDPA with a bottom-right causal mask, as the torch backend does (SDPA's
+// own causal flag where the rows are a whole prompt).
 //
 // Per layer the batch also carries its KV-cache group (each group has its own block
 // table and slot mapping: the hybrid cache of sliding-window models), its sliding window
@@ -233,19 +234,29 @@ void prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
     return (group > 1 ? rows.repeat_interleave(group, 0) : rows).unsqueeze(0);
   };  // [1, heads, n, D]
   const auto qr = q.narrow(0, start, q_len).transpose(0, 1).unsqueeze(0);
-  const auto opts = at::TensorOptions().dtype(at::kLong);
-  const auto qpos = at::arange(q_len, opts).unsqueeze(1).add(len - q_len);
-  const auto kpos = at::arange(n, opts).unsqueeze(0).add(offset);
-  auto hidden = kpos.gt(qpos);
-  if (window > 0) hidden = hidden.logical_or(kpos.le(qpos.sub(window)));
+  // Keys a query row must not see: later ones, and with a window those too far back.
+  auto hidden = [&]() {
+    const auto opts = at::TensorOptions().dtype(at::kLong);
+    const auto qpos = at::arange(q_len, opts).unsqueeze(1).add(len - q_len);
+    const auto kpos = at::arange(n, opts).unsqueeze(0).add(offset);
+    auto h = kpos.gt(qpos);
+    return window > 0 ? h.logical_or(kpos.le(qpos.sub(window))) : h;
+  };
   at::Tensor res;
   if (softcap > 0) {
     const auto keys = gather(key_cache), values = gather(value_cache);
     auto scores = at::matmul(qr, keys.transpose(-1, -2)).mul(scale);
-    scores = at::tanh(scores.div(softcap)).mul(softcap).masked_fill(hidden, -INFINITY);
+    scores = at::tanh(scores.div(softcap)).mul(softcap).masked_fill(hidden(), -INFINITY);
     res = at::matmul(at::softmax(scores, -1, at::kFloat).to(values.scalar_type()), values);
+  } else if (n == q_len && (window <= 0 || window >= n)) {
+    // A whole prompt (no prefix, no key out of the window): the causal mask is SDPA's
+    // own, so its flash kernel skips the blocks above the diagonal instead of reading an
+    // explicit mask over all of them. SmolLM2, 2,000 tokens, bf16, Zen 4, 2 threads:
+    // 68-77 -> 39-43 ms per layer.
+    res = at::scaled_dot_product_attention(qr, gather(key_cache), gather(value_cache), {},
+                                           0.0, true, scale, false);
   } else {
-    const auto mask = at::zeros({q_len, n}, q.options()).masked_fill(hidden, -INFINITY);
+    const auto mask = at::zeros({q_len, n}, q.options()).masked_fill(hidden(), -INFINITY);
     res = at::scaled_dot_product_attention(qr, gather(key_cache), gather(value_cache), mask,
                                            0.0, false, scale, false);
   }
