@@ -77,9 +77,11 @@ class Rows:
         assert outs[3].text in ("yes", "no", "maybe"), outs[3].text
 
 
-def _through_pd(path: Path, rows: Rows, decode_kw: dict | None = None, **kw) -> list:
+def _through_pd(path: Path, rows: Rows, decode_kw: dict | None = None, **kw
+                ) -> tuple[list, int]:
     """The rows prefilled by a producer instance and decoded by a consumer that loads
-    every prompt's blocks from it (torch_distributed P/D, both in this process)."""
+    every prompt's blocks from it (torch_distributed P/D, both in this process): its
+    outputs and, with speculation, the drafts it accepted."""
     port = free_port()
     prefill = LLM(str(path), **KW, **kw, kv_transfer_config=_pd("kv_producer", port))
     decode = LLM(str(path), **KW, **kw, **(decode_kw or {}),
@@ -242,8 +244,9 @@ def _family(kind: str, root: Path, smollm2_dir: Path):
 def test_families_with_lora_ngram_constraints_int8_and_more(kind, tmp_path, smollm2_dir,
                                                             caplog):
     """Each family x LoRA (against peft) x n-gram x structured output in one batch; x int8
-    (against its dequantized checkpoint). MoE also x a draft model and x the disk tier
-    (both refused with sliding windows: test_hybrid_kv.py)."""
+    (against its dequantized checkpoint). MoE also x the disk tier, x a draft model and x
+    P/D (all three refused with sliding windows: test_hybrid_kv.py and the refusals
+    below)."""
     path, model = _family(kind, tmp_path, smollm2_dir)
     peft_model = make_adapter(model, tmp_path / "adapter", 4, ["q_proj", "v_proj"], seed=6)
     lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))

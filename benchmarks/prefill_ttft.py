@@ -1,0 +1,50 @@
+"""Time to first token of one long prompt, in process: `python benchmarks/prefill_ttft.py`.
+
+    python benchmarks/prefill_ttft.py [--lengths 512 2000] [--repeats 3] [-O 2]
+                                      [--dtype auto] [--model DIR]
+
+One engine (the default model unless --model), one request at a time with max_tokens=1;
+every prompt is new (distinct tokens, so no prefix-cache hit), and the first one of each
+length warms up. Prints the best of --repeats per length. The token budget is raised to
+the longest length so that each prompt is one prefill step. Cap the host's ISA with the
+variables in ../shared/reference/this-machine.md to time another CPU class.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [1] + [(100 + 7919 * seed + 31 * j) % 40000 + 50 for j in range(n - 1)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2000])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("-O", dest="level", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+
+    from kiln import LLM, SamplingParams
+    from kiln.platforms.cpu import CpuPlatform
+
+    longest = max(args.lengths)
+    llm = LLM(args.model, dtype=args.dtype, optimization_level=args.level, progress=False,
+              max_num_batched_tokens=max(2048, longest), max_model_len=max(4096, longest + 8))
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    print(f"prefill TTFT, {llm.engine.dtype}, -O{args.level}, {CpuPlatform().device_name()}")
+    for n in args.lengths:
+        times = []
+        for i in range(args.repeats + 1):
+            start = time.perf_counter()
+            llm.generate({"prompt_token_ids": prompt(n, i + 10 * n)}, one, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        best = min(times[1:])
+        print(f"  {n:>6} tokens  {best:.3f} s  ({n / best:.0f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
