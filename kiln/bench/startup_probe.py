@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                  use_tqdm=False)
     t2 = time.perf_counter()
     # CLOCK_MONOTONIC is one clock for every process on the host and never jumps; the wall
-    # clock can (an NTP step once made start-up outlast the whole process in CI).
+    # clock can (a clock step once made start-up outlast the whole process in CI).
     spawned = envs.KILN_PROBE_T0
     counters = compilation_counter.delta(before)
     print(json.dumps({"load_s": t1 - t0, "first_token_s": t2 - t1,
