@@ -16,6 +16,7 @@ import time
 
 
 def prompt(n: int, seed: int) -> list[int]:
+    """n tokens that no prompt of another seed shares a block with (no prefix hit)."""
     return [1] + [(100 + 7919 * seed + 31 * j) % 40000 + 50 for j in range(n - 1)]
 
 

@@ -118,14 +118,15 @@ def report(prof, wall_ms: float, steps: int) -> None:
 def profile_prefill(llm, args) -> None:
     """The fastest of `--steps` prefills of one fresh prompt (no prefix hit), profiled
     one at a time; the report is that fastest step's."""
+    from prefill_ttft import prompt  # this directory's script (sys.path[0])
+
     from kiln import SamplingParams
 
     engine, one = llm.engine, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     best = None
     for i in range(args.steps + 1):  # the first one warms up
-        # Distinct first tokens: no two prompts share a block, so nothing hits the cache.
-        prompt = [1] + [(100 + 7919 * i + 31 * j) % 40000 + 50 for j in range(args.prefill - 1)]
-        engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, one)
+        # A new prompt each time: nothing hits the prefix cache.
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt(args.prefill, i)}, one)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
             engine.step()

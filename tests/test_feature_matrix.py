@@ -18,6 +18,10 @@ import transformers
 from conftest import TINY, random_prompts
 from lora_utils import make_adapter, peft_greedy
 from server_utils import _TOKENIZER_FILES, free_port, make_tiny_chat_model
+from test_gguf_convert import _tiny_model, write_tiny_gguf
+from test_hybrid_kv import CONFIGS as WINDOWED
+from test_kv_transfer import _disk, _pd, decode_outputs
+from test_moe import CONFIGS as MOE
 from test_pipeline_parallel import run_cases
 from test_quantization import _write_dequantized
 
@@ -30,17 +34,6 @@ REGEX = "[a-z]{3}-[0-9]{2}"
 MAX_NEW = 12
 KW = dict(dtype="float32", progress=False, optimization_level=0, max_model_len=192)
 LORA_KW = dict(enable_lora=True, max_lora_rank=8)
-
-
-def _disk(path: Path) -> dict:
-    return {"kv_connector": "disk", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"path": str(path)}}
-
-
-def _pd(role: str, port: int) -> dict:
-    return {"kv_connector": "torch_distributed", "kv_role": role, "kv_port": port,
-            "kv_connector_extra_config": {"remote_timeout_s": 60} if role == "kv_consumer"
-            else {}}
 
 
 class Rows:
@@ -85,24 +78,23 @@ def _through_pd(path: Path, rows: Rows, decode_kw: dict | None = None, **kw
     port = free_port()
     prefill = LLM(str(path), **KW, **kw, kv_transfer_config=_pd("kv_producer", port))
     decode = LLM(str(path), **KW, **kw, **(decode_kw or {}),
-                 kv_transfer_config=_pd("kv_consumer", port))
+                 kv_transfer_config=_pd("kv_consumer", port, remote_timeout_s=60))
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prefill.generate([{"prompt_token_ids": p} for p in rows.prompts], one,
                      lora_request=rows.loras, use_tqdm=False)
+    outs = decode_outputs(decode, rows.prompts, rows.params, True, rows.loras)
     eng = decode.engine
-    for i, (p, params, lora) in enumerate(zip(rows.prompts, rows.params, rows.loras)):
-        eng.add_request(str(i), {"prompt_token_ids": p}, params, lora_request=lora,
-                        kv_transfer_params={"do_remote_prefill": True})
-    done: dict[str, object] = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
     assert eng.get_stats().kv_transfer.hit_tokens > 0
     accepted = _accepted(decode) if decode_kw else 0
     prefill.shutdown()
     decode.shutdown()
-    return [done[str(i)] for i in range(len(rows.prompts))], accepted
+    return outs, accepted
+
+
+def _tiny_gguf(path: Path, types: dict[str, str]):
+    """A tiny tied Llama written as a GGUF file with these block types; (file, model)."""
+    model = _tiny_model(tied=True, rope={"rope_theta": 1e4, "rope_type": "default"})
+    return write_tiny_gguf(model, path, tokenizer=False, types=types), model
 
 
 def _tokens(outs: list) -> list[list[int]]:
@@ -185,13 +177,11 @@ def test_pd_with_int8_lora_ngram_and_constraints(chat):
 def test_native_gguf_blocks_with_the_disk_tier_a_draft_and_pd(tmp_path, monkeypatch):
     """GGUF blocks (Q8_0, Q4_1) x the disk tier x n-gram (across a restart), x a draft
     model, x P/D: the tokens of the same blocks with none of them."""
-    from test_gguf_convert import _tiny_model, write_tiny_gguf
-
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
-    model = _tiny_model(tied=True, rope={"rope_theta": 1e4, "rope_type": "default"})
     types = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_1",
              "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_1", "token_embd": "Q8_0"}
-    path = str(write_tiny_gguf(model, tmp_path / "tiny.gguf", tokenizer=False, types=types))
+    gguf, model = _tiny_gguf(tmp_path / "tiny.gguf", types)
+    path = str(gguf)
     model.save_pretrained(tmp_path / "draft")
     rows = Rows(model.config.vocab_size, None, constrained=False)
     unbiased = Rows(model.config.vocab_size, None, constrained=False, bias=False)
@@ -217,21 +207,16 @@ def test_native_gguf_blocks_with_the_disk_tier_a_draft_and_pd(tmp_path, monkeypa
 
 
 # ---- the sliding-window and MoE families -------------------------------------------------
-FAMILIES = {
-    "gemma2": lambda vocab: transformers.Gemma2Config(
-        **dict(TINY, vocab_size=vocab, num_hidden_layers=4), head_dim=32, sliding_window=24,
-        query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
-    "mixtral": lambda vocab: transformers.MixtralConfig(
-        **dict(TINY, vocab_size=vocab, intermediate_size=96), num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=None),
-}
+# The family tests' tiny configurations (test_hybrid_kv.py, test_moe.py).
+FAMILIES = {"gemma2": WINDOWED["gemma2"], "mixtral": MOE["mixtral"]}
 
 
 def _family(kind: str, root: Path, smollm2_dir: Path):
     """A tiny model of the family with SmolLM2's tokenizer and vocabulary."""
-    vocab = transformers.AutoConfig.from_pretrained(smollm2_dir).vocab_size
+    config = FAMILIES[kind]()
+    config.vocab_size = transformers.AutoConfig.from_pretrained(smollm2_dir).vocab_size
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[kind](vocab)).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     path = root / kind
     model.save_pretrained(path)
     for name in _TOKENIZER_FILES:
@@ -310,8 +295,6 @@ def test_tp_and_pp_with_quantization_speculation_constraints_and_families(
     = 1 in this process: tp=2 x int8 x n-gram x structured output x prefix caching;
     tp=2 x a sliding-window family; pp=2 x structured output; pp=2 x GGUF blocks; pp=2 x
     MoE."""
-    from test_gguf_convert import _tiny_model, write_tiny_gguf
-
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))  # the workers inherit it
     chat = make_tiny_chat_model(tmp_path / "chat", smollm2_dir)
     chat_rows = _regex_rows(transformers.AutoConfig.from_pretrained(chat).vocab_size)
@@ -319,10 +302,8 @@ def test_tp_and_pp_with_quantization_speculation_constraints_and_families(
     mixtral, _ = _family("mixtral", tmp_path, smollm2_dir)
     vocab = transformers.AutoConfig.from_pretrained(gemma).vocab_size
     free = Rows(vocab, None, constrained=False)
-    gguf = write_tiny_gguf(_tiny_model(tied=True, rope={"rope_theta": 1e4,
-                                                        "rope_type": "default"}),
-                           tmp_path / "tiny.gguf", tokenizer=False,
-                           types={"attn_q": "Q8_0", "ffn_down": "Q4_1", "ffn_up": "Q8_0"})
+    gguf, _ = _tiny_gguf(tmp_path / "tiny.gguf",
+                         {"attn_q": "Q8_0", "ffn_down": "Q4_1", "ffn_up": "Q8_0"})
     gguf_rows = Rows(268, None, constrained=False)
     tp_engine = {"quantization": "int8", "speculative_config": NGRAM}
     cases = [_case(chat, chat_rows, tp=2, engine=tp_engine),
@@ -344,8 +325,6 @@ def test_tp_and_pp_with_quantization_speculation_constraints_and_families(
 
 def test_pairs_refused_at_start_up_name_both_features(tmp_path, tiny_models):
     """Refused pairs fail at start-up with a ValueError that names both features."""
-    from test_gguf_convert import _tiny_model, write_tiny_gguf
-
     path = str(tiny_models["llama"][0])
     draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
     refused = [  # (LLM keyword arguments, what the message names)
@@ -369,13 +348,11 @@ def test_pairs_refused_at_start_up_name_both_features(tmp_path, tiny_models):
     for kwargs, words in refused:
         with pytest.raises(ValueError, match=words):
             LLM(path, progress=False, optimization_level=0, **kwargs)
-    gguf = write_tiny_gguf(_tiny_model(tied=True, rope={"rope_theta": 1e4,
-                                                        "rope_type": "default"}),
-                           tmp_path / "tiny.gguf", tokenizer=False, types={"attn_q": "Q8_0"})
+    gguf, _ = _tiny_gguf(tmp_path / "tiny.gguf", {"attn_q": "Q8_0"})
     with pytest.raises(ValueError, match="quantization='gguf'.*tensor_parallel_size=1"):
         LLM(str(gguf), progress=False, optimization_level=0, tensor_parallel_size=2)
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(FAMILIES["gemma2"](512)).save_pretrained(
+    transformers.AutoModelForCausalLM.from_config(FAMILIES["gemma2"]()).save_pretrained(
         tmp_path / "gemma2")
     with pytest.raises(ValueError, match="kv_transfer_config: Gemma2ForCausalLM has "
                                          "sliding-window layers"):

@@ -243,17 +243,25 @@ def _pd(role: str, port: int, **extra) -> dict:
             "kv_connector_extra_config": extra}
 
 
-def _decode(llm: LLM, prompts, params, remote: bool) -> list[list[int]]:
+def decode_outputs(llm: LLM, prompts, params, remote: bool, loras=None) -> list:
+    """Each prompt's finished completion, its KV loaded from the producer if `remote`;
+    `params` and `loras` one for all or one per prompt."""
     eng = llm.engine
-    for i, p in enumerate(prompts):
-        eng.add_request(f"d{i}", {"prompt_token_ids": p}, params,
+    per = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+    for i, (p, sp) in enumerate(zip(prompts, per)):
+        eng.add_request(f"d{i}", {"prompt_token_ids": p}, sp,
+                        lora_request=loras[i] if loras else None,
                         kv_transfer_params={"do_remote_prefill": True} if remote else None)
-    done: dict[str, list[int]] = {}
+    done: dict[str, object] = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = out.outputs[0]
     return [done[f"d{i}"] for i in range(len(prompts))]
+
+
+def _decode(llm: LLM, prompts, params, remote: bool) -> list[list[int]]:
+    return [o.token_ids for o in decode_outputs(llm, prompts, params, remote)]
 
 
 def test_torch_distributed_pd_equals_one_instance(tiny):

@@ -185,7 +185,8 @@ class Scheduler:
             request = self.requests[rid]  # rejected drafts are rolled back on the output
             request.num_computed_tokens += n
             request.spec_token_ids = []
-            self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+            if self.pipeline_depth > 1:  # one step at a time: nothing is ever in flight
+                self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
         self._grammar_bitmask(out)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(
@@ -333,7 +334,8 @@ class Scheduler:
     def _pick_victim(self) -> Request | None:
         """The request to preempt; never one in flight (its step still writes its KV, and
         its output would land on a request that restarted)."""
-        candidates = [r for r in self.running if r.request_id not in self._in_flight]
+        candidates = [r for r in self.running if r.request_id not in self._in_flight] \
+            if self._in_flight else self.running
         if not candidates:
             return None
         if self.policy.policy == "priority":
@@ -358,7 +360,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
-        for rid in scheduler_output.num_scheduled_tokens:
+        for rid in scheduler_output.num_scheduled_tokens if self._in_flight else ():
             left = self._in_flight.pop(rid, 1) - 1
             if left:
                 self._in_flight[rid] = left

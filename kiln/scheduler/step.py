@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kiln.scheduler.output import CachedRequestData, NewRequestData
-
 from kiln.request import Request, RequestStatus
+from kiln.scheduler.output import CachedRequestData, NewRequestData
 
 if TYPE_CHECKING:
     from kiln.kv_transfer.stats import KVTransferStats
