@@ -1,13 +1,17 @@
 """Time to first token of one long prompt, in process: `python benchmarks/prefill_ttft.py`.
 
     python benchmarks/prefill_ttft.py [--lengths 512 2000] [--repeats 3] [-O 2]
-                                      [--dtype auto] [--model DIR]
+                                      [--dtype auto] [--model DIR] [--vs-sdpa]
 
 One engine (the default model unless --model), one request at a time with max_tokens=1;
 every prompt is new (distinct tokens, so no prefix-cache hit), and the first one of each
 length warms up. Prints the best of --repeats per length. The token budget is raised to
 the longest length so that each prompt is one prefill step. Cap the host's ISA with the
 variables in ../shared/reference/this-machine.md to time another CPU class.
+
+--vs-sdpa times the `cpu` attention backend's two prefill paths side by side in the same
+engine, their repeats interleaved: kiln's tiled kernel (bf16; csrc/attention_prefill.h)
+and SDPA over the gathered blocks (what ran before it), with the ratio.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ def main() -> None:
     ap.add_argument("-O", dest="level", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--vs-sdpa", action="store_true")
     args = ap.parse_args()
 
     from kiln import LLM, SamplingParams
@@ -37,14 +42,27 @@ def main() -> None:
               max_num_batched_tokens=max(2048, longest), max_model_len=max(4096, longest + 8))
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     print(f"prefill TTFT, {llm.engine.dtype}, -O{args.level}, {CpuPlatform().device_name()}")
+    paths = [True, False] if args.vs_sdpa else [None]
     for n in args.lengths:
-        times = []
+        times: dict[bool | None, list[float]] = {p: [] for p in paths}
         for i in range(args.repeats + 1):
-            start = time.perf_counter()
-            llm.generate({"prompt_token_ids": prompt(n, i + 10 * n)}, one, use_tqdm=False)
-            times.append(time.perf_counter() - start)
-        best = min(times[1:])
-        print(f"  {n:>6} tokens  {best:.3f} s  ({n / best:.0f} tok/s)")
+            for j, path in enumerate(paths):
+                if path is not None:
+                    import torch
+                    torch.ops.kiln_cpu.set_prefill_kernel(path)
+                start = time.perf_counter()
+                llm.generate({"prompt_token_ids": prompt(n, 2 * i + j + 10 * n)}, one,
+                             use_tqdm=False)
+                times[path].append(time.perf_counter() - start)
+        best = {p: min(t[1:]) for p, t in times.items()}
+        line = "  ".join(f"{_NAMES[p]}{b:.3f} s ({n / b:.0f} tok/s)" for p, b in best.items())
+        ratio = f"  sdpa/kernel {best[False] / best[True]:.2f}x" if args.vs_sdpa else ""
+        print(f"  {n:>6} tokens  {line}{ratio}")
+    if args.vs_sdpa:
+        torch.ops.kiln_cpu.set_prefill_kernel(True)
+
+
+_NAMES = {None: "", True: "kernel ", False: "sdpa "}
 
 
 if __name__ == "__main__":

@@ -157,3 +157,37 @@ def test_verify_rows_equal_the_same_tokens_decoded_one_by_one(heads, kv_heads, D
     alone = run(list(range(new + 1)), [ctx + 1 + j for j in range(new)], table.repeat(new, 1))
     assert not together.isnan().any()
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("heads,kv_heads,D,block_size,window,softcap", [
+    (9, 3, 64, 16, None, None), (8, 1, 128, 32, 37, None), (6, 2, 48, 16, None, 5.0),
+    (4, 4, 16, 16, 20, 3.0)])
+def test_bf16_prefill_kernel_matches_dense_attention(heads, kv_heads, D, block_size, window,
+                                                     softcap, cpu_kernels_loaded):
+    """The cpu backend's tiled bf16 prefill kernel (csrc/attention_prefill.h) against
+    float32 dense attention at bf16's tolerance, as close as SDPA over the gathered blocks
+    (the path it replaced, still behind `set_prefill_kernel(False)`): a prompt longer than
+    one 512-key chunk, chunks after a cached prefix (one crossing a chunk boundary), short
+    prompts and a decode row beside them; GQA groups 1 to 8; with a window the blocks
+    before every row's window are NaN, so reading one would show."""
+    from attention_batches import (dense_reference, make_batch, poison_out_of_window,
+                                   run_backend, windowed)
+
+    spec = windowed(AttentionLayerSpec(heads, kv_heads, D, D ** -0.5), window, softcap)
+    shapes = [(0, 600), (70, 50), (0, 37), (500, 40), (5, 1)]
+    batch = make_batch(shapes, heads, kv_heads, D, block_size, pad=3, seed=2,
+                       dtype=torch.bfloat16)
+    expected = dense_reference(batch, spec).float()
+    if window is not None:
+        batch = poison_out_of_window(batch, window)
+    n = expected.shape[0]
+    kernel = run_backend(CpuPagedBackend, batch, spec)[0][:n].float()
+    torch.ops.kiln_cpu.set_prefill_kernel(False)
+    try:
+        sdpa = run_backend(CpuPagedBackend, batch, spec)[0][:n].float()
+    finally:
+        torch.ops.kiln_cpu.set_prefill_kernel(True)
+    assert not torch.equal(kernel, sdpa)  # the switch really changes the path
+    err, err_sdpa = ((x - expected).abs().max().item() for x in (kernel, sdpa))
+    assert err <= max(1.6e-2, 1.5 * err_sdpa), (err, err_sdpa)
+    torch.testing.assert_close(kernel, expected, atol=1.6e-2, rtol=1.6e-2)

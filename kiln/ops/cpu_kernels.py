@@ -48,7 +48,8 @@ SOURCES = [CSRC / name for name in ("linear_bf16.cpp", "linear_quant.cpp",
                                       "paged_attention.cpp",
                                       "greedy.cpp", "lora.cpp", "bitmask.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
-                                      "linear_quant.h", "attention_decode.h")]
+                                      "linear_quant.h", "attention_decode.h",
+                                      "attention_prefill.h")]
 # The instructions each ISA class's build may use (kiln.platforms.cpu names the classes).
 ISA_FLAGS = {
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16",

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "attention_decode.h"
+#include "attention_prefill.h"
 #include "simd.h"
 
 namespace {
@@ -189,6 +190,10 @@ struct Batch {
 
 thread_local Batch batch;
 
+// bf16 prefill rows run kiln's tiled kernel (attention_prefill.h) unless switched off
+// (`set_prefill_kernel(False)`: SDPA over gathered blocks, for A/B runs in one process).
+bool prefill_kernel = true;
+
 // Copy each token's K and V rows into its cache slot; a negative slot (padding) is skipped.
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
               at::Tensor& value_cache, const at::Tensor& slots, int64_t n) {
@@ -224,6 +229,20 @@ void prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
   const int64_t block_size = key_cache.size(1), group = q.size(1) / key_cache.size(2);
   const int64_t first_block =
       window > 0 ? std::max<int64_t>(0, len - q_len - window + 1) / block_size : 0;
+  if (prefill_kernel && q.scalar_type() == at::kBFloat16) {
+    const kiln_prefill::Prompt p{
+        reinterpret_cast<const uint16_t*>(q.data_ptr()) + start * q.stride(0),
+        reinterpret_cast<uint16_t*>(out.data_ptr()) + start * out.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), q_len, len,
+        first_block * block_size, window, static_cast<float>(scale),
+        static_cast<float>(softcap)};
+    kiln_prefill::prefill_bf16(
+        p, reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
+        reinterpret_cast<const uint16_t*>(value_cache.data_ptr()),
+        block_table.data_ptr<int32_t>() + r * block_table.stride(0), block_size,
+        key_cache.size(2), group, q.size(2));
+    return;
+  }
   const int64_t offset = first_block * block_size, n = len - offset;
   const auto blocks = block_table[r]
                           .narrow(0, first_block,
@@ -299,6 +318,8 @@ void set_batch(std::vector<at::Tensor> kv_caches, std::vector<double> scales,
 
 void clear_batch() { batch = Batch{}; }
 
+void set_prefill_kernel(bool enabled) { prefill_kernel = enabled; }
+
 void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        at::Tensor out, const at::Tensor& layer_index) {
   if (!batch.active) return;
@@ -345,6 +366,7 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
         "Tensor seq_lens, Tensor query_start_loc, Tensor decode_reqs, Tensor prefill_reqs, "
         "int num_tokens) -> ()", &set_batch);
   m.def("clear_batch() -> ()", &clear_batch);
+  m.def("set_prefill_kernel(bool enabled) -> ()", &set_prefill_kernel);
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

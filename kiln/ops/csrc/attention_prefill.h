@@ -1,0 +1,322 @@
+// The prefill kernel of kiln_cpu::unified_attention (paged_attention.cpp) for bf16 caches:
+// one request's new query rows against its keys, read from the paged cache, in tiles with
+// an online softmax (flash attention's scheme), causal blocks skipped. Included by
+// paged_attention.cpp only.
+//
+// Why not SDPA: its CPU flash kernel needs the keys gathered out of the paged blocks and,
+// after a prefix hit or for a chunk, an explicit mask over every block; and even a whole
+// prompt with its own causal flag ran at about 110 GFLOP/s on Zen 4 (2,000 tokens,
+// SmolLM2's 9/3 heads of 64) where a bf16 GEMM runs at about 400.
+//
+// Scheme, per request:
+//  1. Pack (in parallel over KV head x 16-key tile): K into tiles of 16 keys x (d, d+1)
+//     pairs, V into pairs of keys x 16-dim blocks: each 64-byte row is one `WRow` of the
+//     packed linear's vocabulary (simd.h), so both products are the linear's register-tiled
+//     pair dot products (`vdpbf16ps` on AVX512-BF16, fp32 FMAs on the widened halves
+//     elsewhere). The packing reads each key once from its block; with a window only the
+//     blocks the window reaches.
+//  2. Attend (in parallel over items, one item = a KV head x a tile of query tokens, all
+//     `group` query heads of that KV head together, so a packed key serves every one):
+//     per chunk of kChunk keys, S = Q K^T (fp32 sums), scale and softcap, the running max
+//     and sum per row, P = exp(S - max) rounded to bf16 as SDPA rounds it for its PV
+//     product, O = O * exp(old max - new max) + P V. Chunks start at the tile's first
+//     visible key and end at its last query's position, so blocks above the diagonal
+//     (and before a window) are never computed.
+// Numerics: fp32 scores, max, sums and output accumulators, bf16 P (native builds; the
+// others keep P in fp32). Results differ from SDPA's by rounding only.
+#pragma once
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "attention_decode.h"
+#include "simd.h"
+
+namespace kiln_prefill {
+
+namespace isa = kiln_isa;
+using isa::V16;
+
+constexpr int64_t kChunk = 512;     // keys per online-softmax step (S: rows x 2 KB)
+constexpr int64_t kItemRows = 48;   // query vectors per item: tokens x group
+constexpr int RT = isa::kGemmRows;  // register tile: RT query rows x NB 16-wide blocks
+constexpr int NB = isa::kGemmBlocks;
+
+// One request's prefill: q_len new query rows at positions len - q_len .. len - 1.
+struct Prompt {
+  const uint16_t* q;  // [tokens, heads, D] rows of this request
+  uint16_t* out;
+  int64_t q_stride, q_head_stride, out_stride, out_head_stride;
+  int64_t q_len, len;
+  int64_t first;  // first packed key (block-aligned; > 0 only with a window)
+  int64_t window;  // 0: none
+  float scale, softcap;  // softcap 0: none
+};
+
+inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// The first key query position `pos` sees.
+inline int64_t first_visible(const Prompt& p, int64_t pos) {
+  return std::max(p.first, p.window > 0 ? pos - p.window + 1 : int64_t{0});
+}
+
+// Pack KV head h's keys first + 16 t .. + 15 (tile t): K as [tile][D/2][16][2], V as
+// [key pair][D/16][16][2]; keys at or past len are zeros.
+inline void pack_tile(const uint16_t* kc, const uint16_t* vc, const int32_t* blocks,
+                      const Prompt& p, int64_t block_size, int64_t kv_heads, int64_t D,
+                      int64_t h, int64_t t, uint16_t* kp, uint16_t* vp) {
+  const uint16_t* krow[16];
+  const uint16_t* vrow[16];
+  alignas(64) static const uint16_t zeros[256 * 16] = {};
+  for (int c = 0; c < 16; ++c) {
+    const int64_t key = p.first + 16 * t + c;
+    if (key < p.len) {
+      const int64_t slot = int64_t{blocks[key / block_size]} * block_size + key % block_size;
+      krow[c] = kc + (slot * kv_heads + h) * D;
+      vrow[c] = vc + (slot * kv_heads + h) * D;
+    } else {
+      krow[c] = vrow[c] = zeros;
+    }
+  }
+  auto* kt = reinterpret_cast<uint32_t*>(kp + 16 * t * D);
+  for (int64_t d2 = 0; d2 < D / 2; ++d2)
+    for (int c = 0; c < 16; ++c)
+      std::memcpy(kt + d2 * 16 + c, krow[c] + 2 * d2, 4);
+  uint16_t* vt = vp + 16 * t * D;  // 8 key pairs x D x 2
+  for (int j = 0; j < 8; ++j)
+    for (int64_t d = 0; d < D; ++d) {
+      vt[(j * D + d) * 2] = vrow[2 * j][d];
+      vt[(j * D + d) * 2 + 1] = vrow[2 * j + 1][d];
+    }
+}
+
+// RT query vectors x N tiles of 16 keys: s[r][16 b + c] = q_r . k_c.
+template <int N>
+inline void qk_block(const uint16_t* const* q, const float* const* qf, const uint16_t* kp,
+                     int64_t D, float* const* s, int64_t col) {
+  V16 acc[RT][N];
+  for (int r = 0; r < RT; ++r)
+    for (int b = 0; b < N; ++b) acc[r][b] = isa::zero();
+  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    isa::WRow w[N];
+    for (int b = 0; b < N; ++b) w[b] = isa::load_wrow(kp + b * 16 * D + d2 * 32);
+    for (int r = 0; r < RT; ++r) {
+      const isa::Pair x = isa::load_pair(q[r], qf[r], 2 * d2);
+      for (int b = 0; b < N; ++b) acc[r][b] = isa::dot(acc[r][b], x, w[b]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int b = 0; b < N; ++b) isa::storeu(s[r] + col + 16 * b, acc[r][b]);
+}
+
+// o_r[16 b ..] += sum over `pairs` key pairs of p_r[j] v_j, RT rows x N 16-dim blocks.
+template <int N>
+inline void pv_block(const uint16_t* const* p, const float* const* pf, const uint16_t* vp,
+                     int64_t D, int64_t pairs, float* const* o) {
+  V16 acc[RT][N];
+  for (int r = 0; r < RT; ++r)
+    for (int b = 0; b < N; ++b) acc[r][b] = isa::loadu(o[r] + 16 * b);
+  for (int64_t j = 0; j < pairs; ++j) {
+    isa::WRow w[N];
+    for (int b = 0; b < N; ++b) w[b] = isa::load_wrow(vp + j * 2 * D + b * 32);
+    for (int r = 0; r < RT; ++r) {
+      const isa::Pair x = isa::load_pair(p[r], pf[r], 2 * j);
+      for (int b = 0; b < N; ++b) acc[r][b] = isa::dot(acc[r][b], x, w[b]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int b = 0; b < N; ++b) isa::storeu(o[r] + 16 * b, acc[r][b]);
+}
+
+// One thread's buffers, kept between calls (the op runs one layer at a time).
+struct Scratch {
+  std::vector<float> s, o, qf, m, l;
+  std::vector<uint16_t> pb;
+  std::vector<const uint16_t*> qrow, prow;
+  std::vector<const float*> qfrow, pfrow;
+  std::vector<float*> srow, orow;
+};
+
+// Softmax step of one row over chunk keys [a, b) of n16 computed (scores in s, already
+// scaled): updates the row's max m and sum l, writes P (zeros outside [a, b)) and returns
+// the factor the row's output must be scaled by first.
+inline float softmax_row(float* s, uint16_t* pb, int64_t a, int64_t b, int64_t n16, float& m,
+                         float& l) {
+  if (b <= a) {  // no visible key in this chunk (a window's edge)
+    if constexpr (isa::kNativeBf16) std::memset(pb, 0, n16 * 2);
+    else std::memset(s, 0, n16 * 4);
+    return 1.f;
+  }
+  const int64_t va = std::min(b, (a + 15) / 16 * 16), vb = std::max(va, b / 16 * 16);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = a; j < va; ++j) mx = std::max(mx, s[j]);
+  V16 vm = isa::set1(mx);
+  for (int64_t j = va; j < vb; j += 16) vm = isa::max(vm, isa::loadu(s + j));
+  mx = isa::reduce_max(vm);
+  for (int64_t j = vb; j < b; ++j) mx = std::max(mx, s[j]);
+  const float m_new = std::max(m, mx);
+  const float alpha = std::isinf(m) ? 0.f : std::exp(m - m_new);
+  float sum = 0.f;
+  for (int64_t j = 0; j < a; ++j) s[j] = 0.f;
+  for (int64_t j = a; j < va; ++j) sum += s[j] = std::exp(s[j] - m_new);
+  V16 vs = isa::zero();
+  const V16 vmax = isa::set1(m_new);
+  for (int64_t j = va; j < vb; j += 16) {
+    const V16 e = kiln_attn::exp_nonpositive(isa::sub(isa::loadu(s + j), vmax));
+    vs = isa::add(vs, e);
+    isa::storeu(s + j, e);
+  }
+  sum += isa::reduce_add(vs);
+  for (int64_t j = vb; j < b; ++j) sum += s[j] = std::exp(s[j] - m_new);
+  for (int64_t j = b; j < n16; ++j) s[j] = 0.f;
+  if constexpr (isa::kNativeBf16)
+    for (int64_t j = 0; j < n16; j += 16) isa::store_bf16(pb + j, isa::loadu(s + j));
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+
+// Scores of rows x n16 keys from packed tile `kp` into scratch.s (row stride kChunk).
+inline void scores(Scratch& sc, int64_t rows, const uint16_t* kp, int64_t D, int64_t n16) {
+  for (int64_t r = 0; r < rows; r += RT) {
+    int64_t t = 0;
+    for (; t + NB <= n16 / 16; t += NB)
+      qk_block<NB>(&sc.qrow[r], &sc.qfrow[r], kp + t * 16 * D, D, &sc.srow[r], 16 * t);
+    for (; t < n16 / 16; ++t)
+      qk_block<1>(&sc.qrow[r], &sc.qfrow[r], kp + t * 16 * D, D, &sc.srow[r], 16 * t);
+  }
+}
+
+// O += P V over n16 keys from packed pairs `vp`.
+inline void weighted_values(Scratch& sc, int64_t rows, const uint16_t* vp, int64_t D,
+                            int64_t n16) {
+  for (int64_t r = 0; r < rows; r += RT) {
+    int64_t b = 0;
+    for (; b + NB <= D / 16; b += NB) {
+      float* o[RT];
+      for (int i = 0; i < RT; ++i) o[i] = sc.orow[r + i] + 16 * b;
+      pv_block<NB>(&sc.prow[r], &sc.pfrow[r], vp + 32 * b, D, n16 / 2, o);
+    }
+    for (; b < D / 16; ++b) {
+      float* o[RT];
+      for (int i = 0; i < RT; ++i) o[i] = sc.orow[r + i] + 16 * b;
+      pv_block<1>(&sc.prow[r], &sc.pfrow[r], vp + 32 * b, D, n16 / 2, o);
+    }
+  }
+}
+
+// Point the scratch rows at item (h, tokens t0 .. t1 - 1): row r is token t0 + r / group,
+// query head h * group + r % group; rows past the item's repeat its first (their results
+// land in spare scratch rows and are dropped).
+inline int64_t bind_rows(Scratch& sc, const Prompt& p, int64_t group, int64_t D, int64_t h,
+                         int64_t t0, int64_t t1) {
+  const int64_t rows = (t1 - t0) * group, padded = (rows + RT - 1) / RT * RT;
+  sc.s.resize(padded * kChunk);
+  sc.pb.resize(padded * kChunk);
+  sc.o.assign(padded * D, 0.f);
+  sc.m.assign(padded, -std::numeric_limits<float>::infinity());
+  sc.l.assign(padded, 0.f);
+  sc.qrow.resize(padded), sc.prow.resize(padded), sc.qfrow.resize(padded);
+  sc.pfrow.resize(padded), sc.srow.resize(padded), sc.orow.resize(padded);
+  if (!isa::kNativeBf16) sc.qf.resize(padded * D);
+  for (int64_t r = 0; r < padded; ++r) {
+    const int64_t src = r < rows ? r : 0;
+    sc.qrow[r] = p.q + (t0 + src / group) * p.q_stride + (h * group + src % group) * p.q_head_stride;
+    sc.srow[r] = sc.s.data() + r * kChunk;
+    sc.orow[r] = sc.o.data() + r * D;
+    sc.prow[r] = sc.pb.data() + r * kChunk;
+    sc.pfrow[r] = sc.srow[r];
+    if (r >= rows) std::memset(sc.pb.data() + r * kChunk, 0, kChunk * 2);  // spare rows' P: zeros, not stale bits
+    if (!isa::kNativeBf16) {  // the fp32 copy the widened pair products broadcast from
+      float* f = sc.qf.data() + r * D;
+      for (int64_t d = 0; d < D; d += 16) isa::storeu(f + d, isa::load_bf16(sc.qrow[r] + d));
+      sc.qfrow[r] = f;
+    } else {
+      sc.qfrow[r] = nullptr;
+    }
+  }
+  return rows;
+}
+
+// Item (h, tokens t0 .. t1 - 1) over packed keys kp / vp of KV head h.
+inline void attend_item(const Prompt& p, int64_t group, int64_t D, int64_t h, int64_t t0,
+                        int64_t t1, const uint16_t* kp, const uint16_t* vp, Scratch& sc) {
+  const int64_t rows = bind_rows(sc, p, group, D, h, t0, t1);
+  const int64_t pos0 = p.len - p.q_len + t0, end = p.len - p.q_len + t1;  // keys < end
+  const int64_t begin = p.first + (first_visible(p, pos0) - p.first) / 16 * 16;
+  const V16 scale = isa::set1(p.scale);
+  for (int64_t c = begin; c < end; c += kChunk) {
+    const int64_t ce = std::min(end, c + kChunk), n16 = round16(ce - c);
+    scores(sc, rows, kp + (c - p.first) * D, D, n16);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = sc.srow[r];
+      for (int64_t j = 0; j < n16; j += 16) isa::storeu(s + j, isa::mul(isa::loadu(s + j), scale));
+      if (p.softcap > 0)
+        for (int64_t j = 0; j < n16; ++j) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
+      const int64_t pos = pos0 + r / group;
+      const int64_t a = std::max<int64_t>(0, first_visible(p, pos) - c);
+      const int64_t b = std::min(pos + 1, ce) - c;
+      const float alpha = softmax_row(s, sc.pb.data() + r * kChunk, a, b, n16, sc.m[r], sc.l[r]);
+      if (alpha != 1.f) {
+        float* o = sc.orow[r];
+        for (int64_t d = 0; d < D; d += 16)
+          isa::storeu(o + d, isa::mul(isa::loadu(o + d), isa::set1(alpha)));
+      }
+    }
+    weighted_values(sc, rows, vp + (c - p.first) * D, D, n16);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* o = p.out + (t0 + r / group) * p.out_stride + (h * group + r % group) * p.out_head_stride;
+    const V16 inv = isa::set1(1.f / sc.l[r]);
+    for (int64_t d = 0; d < D; d += 16) isa::store_bf16(o + d, isa::mul(isa::loadu(sc.orow[r] + d), inv));
+  }
+}
+
+// The whole request: pack, then the items, cut between threads by work (keys x rows).
+inline void prefill_bf16(const Prompt& p, const uint16_t* kc, const uint16_t* vc,
+                         const int32_t* blocks, int64_t block_size, int64_t kv_heads,
+                         int64_t group, int64_t D) {
+  const int64_t tiles = round16(p.len - p.first) / 16, per_head = tiles * 16 * D;
+  static thread_local std::vector<uint16_t> packed;
+  packed.resize(2 * kv_heads * per_head);
+  uint16_t* kp = packed.data();
+  uint16_t* vp = kp + kv_heads * per_head;
+  at::parallel_for(0, kv_heads * tiles, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / tiles;
+      pack_tile(kc, vc, blocks, p, block_size, kv_heads, D, h, i % tiles, kp + h * per_head,
+                vp + h * per_head);
+    }
+  });
+  const int64_t tokens = std::max<int64_t>(1, kItemRows / group);
+  const int64_t per_h = (p.q_len + tokens - 1) / tokens, n_items = kv_heads * per_h;
+  std::vector<int64_t> cost_upto(n_items);
+  int64_t cost = 0;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const int64_t t0 = (i % per_h) * tokens, t1 = std::min(p.q_len, t0 + tokens);
+    const int64_t pos0 = p.len - p.q_len + t0;
+    cost += (t1 - t0) * (pos0 + (t1 - t0) - first_visible(p, pos0) + 16);
+    cost_upto[i] = cost;
+  }
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  std::vector<int64_t> bounds(threads + 1, n_items);
+  bounds[0] = 0;
+  for (int64_t i = 0, t = 1; i < n_items && t < threads; ++i) {
+    const int64_t mid2 = cost_upto[i] + (i ? cost_upto[i - 1] : 0);  // twice the middle
+    while (t < threads && mid2 * threads >= 2 * t * cost) bounds[t++] = i;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
+    static thread_local Scratch sc;
+    for (int64_t i = bounds[b0]; i < bounds[b1]; ++i) {
+      const int64_t h = i / per_h, t0 = (i % per_h) * tokens;
+      attend_item(p, group, D, h, t0, std::min(p.q_len, t0 + tokens), kp + h * per_head,
+                  vp + h * per_head, sc);
+    }
+  });
+}
+
+}  // namespace kiln_prefill
