@@ -12,6 +12,7 @@ tests and launchers change them between engines.
 | KILN_TUNING_FILE | the kernel tuning table `kiln bench kernels` writes | $KILN_HOME/tuning.json |
 | KILN_CPU_ISA | caps the CPU's ISA class (amx, avx512_bf16, avx512, avx2, none): one host runs another class's kernels | the host's |
 | KILN_CPU_KERNELS | 0 turns kiln's C++ CPU kernels off (F.linear and SDPA run) | 1 |
+| KILN_CPU_PREFILL | `sdpa`: the `cpu` attention backend's bf16 prefill rows run SDPA over gathered blocks instead of kiln's tiled kernel (for A/B runs) | kernel |
 | KILN_DIST_TIMEOUT_S | bound on one collective or control message while serving | 600 |
 | KILN_DIST_STARTUP_TIMEOUT_S | the same bound while ranks start (connect, load, compile) | max(600, step bound) |
 | KILN_API_KEY | `kiln serve --api-key`'s default | none |
@@ -57,12 +58,20 @@ def _dist_timeout() -> float:
     return float(os.environ.get("KILN_DIST_TIMEOUT_S", DEFAULT_DIST_TIMEOUT_S))
 
 
+def _cpu_prefill() -> str:
+    value = os.environ.get("KILN_CPU_PREFILL", "kernel").strip().lower()
+    if value not in ("kernel", "sdpa"):
+        raise ValueError(f"KILN_CPU_PREFILL={value!r}: use 'kernel' (the default) or 'sdpa'")
+    return value
+
+
 _VARIABLES: dict[str, Callable[[], Any]] = {
     "KILN_HOME": kiln_home,
     "KILN_CACHE_DIR": lambda: _path("KILN_CACHE_DIR"),
     "KILN_TUNING_FILE": lambda: _path("KILN_TUNING_FILE"),
     "KILN_CPU_ISA": lambda: os.environ.get("KILN_CPU_ISA", "").strip().lower(),
     "KILN_CPU_KERNELS": lambda: os.environ.get("KILN_CPU_KERNELS", "1") != "0",
+    "KILN_CPU_PREFILL": _cpu_prefill,
     "KILN_DIST_TIMEOUT_S": _dist_timeout,
     "KILN_DIST_STARTUP_TIMEOUT_S": lambda: float(os.environ.get(
         "KILN_DIST_STARTUP_TIMEOUT_S", max(DEFAULT_DIST_TIMEOUT_S, _dist_timeout()))),

@@ -44,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--attention-backend", default=None,
-                   help="torch | triton (default: triton on CUDA, torch on CPU)")
+                   help="cpu | torch | triton (default: triton on CUDA; on a CPU, cpu where "
+                        "kiln's C++ kernels build, else torch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=None,
                    help="compile cache location (default: $KILN_CACHE_DIR or "

@@ -184,6 +184,7 @@ def host_supports() -> str | None:
     """None when this host can run the kernels, else why not."""
     if not envs.KILN_CPU_KERNELS:
         return "disabled by KILN_CPU_KERNELS=0"
+    envs.KILN_CPU_PREFILL  # noqa: B018 - a bad value is a ValueError here, at start-up
     isa = isa_class()
     if isa not in ISA_FLAGS:
         return f"the CPU has no AVX2 (ISA class {isa!r}; KILN_CPU_ISA may cap it)"
@@ -281,6 +282,7 @@ def _load(cache_root: Path, progress: bool) -> None:
     # AMX tiles need the kernel's permission per process; without it (or in a build for
     # another class) the register-tiled kernel runs at every row count.
     torch.ops.kiln_cpu.set_amx(isa_class() == "amx" and bool(torch.cpu._init_amx()))
+    torch.ops.kiln_cpu.set_prefill_kernel(envs.KILN_CPU_PREFILL != "sdpa")
     _state["signature"] = sig
 
 
