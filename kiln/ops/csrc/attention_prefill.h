@@ -225,12 +225,14 @@ inline int64_t bind_rows(Scratch& sc, const Prompt& p, int64_t group, int64_t D,
   if (!isa::kNativeBf16) sc.qf.resize(padded * D);
   for (int64_t r = 0; r < padded; ++r) {
     const int64_t src = r < rows ? r : 0;
-    sc.qrow[r] = p.q + (t0 + src / group) * p.q_stride + (h * group + src % group) * p.q_head_stride;
+    sc.qrow[r] =
+        p.q + (t0 + src / group) * p.q_stride + (h * group + src % group) * p.q_head_stride;
     sc.srow[r] = sc.s.data() + r * kChunk;
     sc.orow[r] = sc.o.data() + r * D;
     sc.prow[r] = sc.pb.data() + r * kChunk;
     sc.pfrow[r] = sc.srow[r];
-    if (r >= rows) std::memset(sc.pb.data() + r * kChunk, 0, kChunk * 2);  // spare rows' P: zeros, not stale bits
+    // Spare rows' P: zeros, not stale bits (their sums are dropped, but must stay finite).
+    if (r >= rows) std::memset(sc.pb.data() + r * kChunk, 0, kChunk * 2);
     if (!isa::kNativeBf16) {  // the fp32 copy the widened pair products broadcast from
       float* f = sc.qf.data() + r * D;
       for (int64_t d = 0; d < D; d += 16) isa::storeu(f + d, isa::load_bf16(sc.qrow[r] + d));
@@ -270,9 +272,11 @@ inline void attend_item(const Prompt& p, int64_t group, int64_t D, int64_t h, in
     weighted_values(sc, rows, vp + (c - p.first) * D, D, n16);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* o = p.out + (t0 + r / group) * p.out_stride + (h * group + r % group) * p.out_head_stride;
+    uint16_t* o =
+        p.out + (t0 + r / group) * p.out_stride + (h * group + r % group) * p.out_head_stride;
     const V16 inv = isa::set1(1.f / sc.l[r]);
-    for (int64_t d = 0; d < D; d += 16) isa::store_bf16(o + d, isa::mul(isa::loadu(sc.orow[r] + d), inv));
+    for (int64_t d = 0; d < D; d += 16)
+      isa::store_bf16(o + d, isa::mul(isa::loadu(sc.orow[r] + d), inv));
   }
 }
 
