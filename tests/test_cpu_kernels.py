@@ -148,6 +148,16 @@ def test_isa_class_caps_by_environment(monkeypatch):
         isa_class()
 
 
+def test_prefill_path_variable_is_checked_at_start_up(monkeypatch):
+    """KILN_CPU_PREFILL picks the cpu backend's bf16 prefill path (A/B runs); a value
+    that names neither is a ValueError from the start-up check, naming the variable."""
+    monkeypatch.setenv("KILN_CPU_PREFILL", "SDPA ")
+    assert cpu_kernels.envs.KILN_CPU_PREFILL == "sdpa"
+    monkeypatch.setenv("KILN_CPU_PREFILL", "flash")
+    with pytest.raises(ValueError, match="KILN_CPU_PREFILL='flash'"):
+        cpu_kernels.host_supports()
+
+
 def test_the_unity_build_compiles_every_source_once():
     from kiln.ops.cpu_kernels import SOURCES, UNITY_GROUPS
 
