@@ -5,6 +5,7 @@
 // arithmetic, or bf16 dot products for bf16 caches on AVX512-BF16 builds (scores_bf16).
 // Included by paged_attention.cpp only.
 #pragma once
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -276,6 +277,23 @@ inline int64_t chunk_keys(int64_t keys, int64_t k0) { return std::min(kKeyChunk,
 // One vector's partial over one chunk: the unnormalised softmax-weighted sum of V (D
 // floats), then the max score m and the sum s of exp(score - m) over its live keys.
 inline int64_t partial_floats(int64_t D) { return D + 2; }
+
+// Contiguous runs of items per thread, cut by work, not by item count (a context's last
+// chunk is short; a causal prompt's late tiles see more keys): item i goes to the thread
+// whose share holds its middle. cost_upto[i] is the work of items 0..i; returns the
+// threads + 1 bounds (thread t runs items bounds[t] .. bounds[t + 1] - 1).
+inline std::vector<int64_t> split_by_cost(const std::vector<int64_t>& cost_upto) {
+  const auto n_items = static_cast<int64_t>(cost_upto.size());
+  const int64_t cost = n_items ? cost_upto.back() : 0;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  std::vector<int64_t> bounds(threads + 1, n_items);
+  bounds[0] = 0;
+  for (int64_t i = 0, t = 1; i < n_items && t < threads; ++i) {
+    const int64_t mid2 = cost_upto[i] + (i ? cost_upto[i - 1] : 0);  // twice the middle
+    while (t < threads && mid2 * threads >= 2 * t * cost) bounds[t++] = i;
+  }
+  return bounds;
+}
 
 // The key count of each of one run's nv vectors (token r of `rows` sees the last token's
 // keys less rows - 1 - r).

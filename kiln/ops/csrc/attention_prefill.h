@@ -306,14 +306,8 @@ inline void prefill_bf16(const Prompt& p, const uint16_t* kc, const uint16_t* vc
     cost += (t1 - t0) * (pos0 + (t1 - t0) - first_visible(p, pos0) + 16);
     cost_upto[i] = cost;
   }
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  std::vector<int64_t> bounds(threads + 1, n_items);
-  bounds[0] = 0;
-  for (int64_t i = 0, t = 1; i < n_items && t < threads; ++i) {
-    const int64_t mid2 = cost_upto[i] + (i ? cost_upto[i - 1] : 0);  // twice the middle
-    while (t < threads && mid2 * threads >= 2 * t * cost) bounds[t++] = i;
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
+  const std::vector<int64_t> bounds = kiln_attn::split_by_cost(cost_upto);
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t b0, int64_t b1) {
     static thread_local Scratch sc;
     for (int64_t i = bounds[b0]; i < bounds[b1]; ++i) {
       const int64_t h = i / per_h, t0 = (i % per_h) * tokens;

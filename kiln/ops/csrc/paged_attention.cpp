@@ -133,16 +133,8 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cac
   }
   float* part_base = parts.data();
   int32_t* pend = pending.data();
-  // Contiguous runs of items per thread, cut by work, not by item count (a context's
-  // last chunk is short): item i goes to the thread whose share holds its middle.
-  const auto n_items = static_cast<int64_t>(items.size());
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  std::vector<int64_t> bounds(threads + 1, n_items);
-  bounds[0] = 0;
-  for (int64_t i = 0, t = 1; i < n_items && t < threads; ++i) {
-    const int64_t mid2 = cost_upto[i] + (i ? cost_upto[i - 1] : 0);  // twice the middle
-    while (t < threads && mid2 * threads >= 2 * t * cost) bounds[t++] = i;
-  }
+  const std::vector<int64_t> bounds = split_by_cost(cost_upto);
+  const auto threads = static_cast<int64_t>(bounds.size()) - 1;
   // An item's K and V rows into L2, all at once (their DRAM round trips overlap): a
   // thread's first before it starts, each next one while the one before runs.
   auto prefetch_item = [&](int64_t i) {
