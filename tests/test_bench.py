@@ -363,3 +363,31 @@ def test_moe_kiln_vs_transformers(tmp_path, capsys):
     assert r["mode"] == "moe" and set(r["median_tok_s"]) == {"2"}
     assert all(v > 0 for v in r["median_tok_s"]["2"].values()) and r["speedup"]["2"] > 0
     assert "transformers tok/s" in capsys.readouterr().out
+
+
+def test_budget_is_measured_written_and_used(tiny, tmp_path, monkeypatch, capsys):
+    """`kiln bench budget`: per candidate budget a long prompt arrives beside decoding
+    requests and every step until its first token is timed; the choice (the smallest
+    budget within 90% of the best prefill rate) lands in the tuning table under the key
+    an engine with the same flags looks up, and such an engine given no budget starts
+    with it, while an explicit budget wins."""
+    from kiln import LLM
+
+    table = tmp_path / "tuning.json"
+    monkeypatch.setenv("KILN_TUNING_FILE", str(table))
+    r = bench(tmp_path, "budget", "--model", tiny, "-O0", "--candidates", "64", "16",
+              "--prompt-len", "96", "--decode-rows", "2", "--repeats", "1")
+    assert r["mode"] == "budget" and r["config"]["candidates"] == [16, 64]
+    small, large = r["runs"]["16"], r["runs"]["64"]
+    assert small["steps"] >= 96 // 16 + 1 > large["steps"] >= 2  # decode rows share steps
+    check_summary(small["step_ms"], n=small["steps"])
+    top = max(v["prefill_tok_s"] for v in r["runs"].values())
+    assert r["best"] == min(int(b) for b, v in r["runs"].items()
+                            if v["prefill_tok_s"] >= 0.9 * top)
+    assert r["tuning_file"] == str(table) and r["key"] in table.read_text()
+    assert f"chosen: max_num_batched_tokens={r['best']}" in capsys.readouterr().out
+    for given, expected in ((None, r["best"]), (32, 32)):
+        llm = LLM(tiny, optimization_level=0, progress=False, num_kv_blocks=32,
+                  max_num_batched_tokens=given)
+        assert llm.engine.config.max_num_batched_tokens == expected
+        llm.shutdown()

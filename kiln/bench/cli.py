@@ -1,5 +1,5 @@
 """`kiln bench latency | throughput | serve | compile | kernels | quality | sampling |
-lora | structured | spec | kv | pd | moe | hybrid-kv`: arguments and dispatch.
+lora | structured | spec | kv | pd | moe | hybrid-kv | budget`: arguments and dispatch.
 
 Every mode prints a table, writes its result as JSON with `--json PATH` (schemas in each
 mode's module docstring) and PNG charts into `--plot DIR` (kv, pd, moe, hybrid-kv and
@@ -25,7 +25,8 @@ def add_bench_parser(sub: Any) -> None:
     """Add `bench` and its modes to the `kiln` subcommand parser `sub`."""
     bench = sub.add_parser("bench", help="benchmarks and kernel tuning: latency | throughput "
                                          "| serve | compile | kernels | quality | sampling | lora "
-                                         "| structured | spec | kv | pd | moe | hybrid-kv")
+                                         "| structured | spec | kv | pd | moe | hybrid-kv "
+                                         "| budget")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     lat = modes.add_parser("latency", help="one fixed batch, timed per engine step")
     lat.add_argument("--batch-size", type=int, default=8)
@@ -149,7 +150,19 @@ def add_bench_parser(sub: Any) -> None:
     hyb.add_argument("--num-layers", type=int, default=6)
     hyb.add_argument("--output-len", type=int, default=8)
     hyb.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
-    for p in (lat, tp, srv, comp, ker, qual, samp, lora, st, sp, kv, pd, moe, hyb):
+    bud = modes.add_parser("budget", help="the chunked-prefill token budget for this model "
+                           "and host: prefill rate vs step length per candidate, written to "
+                           "the tuning table")
+    add_engine_args(bud)
+    bud.add_argument("--candidates", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    bud.add_argument("--prompt-len", type=int, default=4096)
+    bud.add_argument("--decode-rows", type=int, default=8)
+    bud.add_argument("--threshold", type=float, default=0.9,
+                     help="the smallest budget within this share of the best prefill rate")
+    bud.add_argument("--repeats", type=int, default=2)
+    bud.add_argument("--no-write", dest="write", action="store_false",
+                     help="print the choice without writing the tuning table")
+    for p in (lat, tp, srv, comp, ker, qual, samp, lora, st, sp, kv, pd, moe, hyb, bud):
         _outputs(p)
 
 
@@ -238,6 +251,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 **{**vars(args), "speculative_config": spec if on else None}))
 
         result = run_spec(make_spec, args.output_len, args.repeats)
+    elif mode == "budget":
+        from kiln.bench.budget import format_budget as fmt
+
+        result = _budget(args)
+        plot = _no_plots
     elif mode == "hybrid-kv":
         from kiln.bench.hybrid_kv import format_hybrid_kv as fmt, measure_kv_blocks
 
@@ -287,6 +305,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if mode == "soak":
         return 0 if all(result["checks"].values()) else 1
     return 1 if mode == "serve" and result["completed"] == 0 else 0
+
+
+def _budget(args: argparse.Namespace) -> dict[str, Any]:
+    """`kiln bench budget`: measure, then (unless --no-write) record the choice under
+    the key the engine looks up for the same flags."""
+    from kiln.bench.budget import run_budget
+    from kiln.bench.tuning import merge_into
+    from kiln.config.engine import parse_dtype
+    from kiln.ops.tuning import BUDGET_OP, budget_key, default_tuning_path
+    from kiln.platforms import device_name
+
+    def make(budget: int) -> Any:
+        return make_llm(argparse.Namespace(**{**vars(args), "max_num_batched_tokens": budget}))
+
+    result = run_budget(make, args.candidates, args.prompt_len, args.decode_rows,
+                        args.threshold, args.repeats, args.seed)
+    result["key"] = budget_key(args.model, parse_dtype(args.dtype), args.quantization)
+    result["tuning_file"] = None
+    if args.write:
+        entry = {"best": str(result["best"]), "config": None,
+                 "us": {b: r["prefill_s"] * 1e6 for b, r in result["runs"].items()}}
+        device = device_name(result["config"]["device"])
+        result["tuning_file"] = str(merge_into(default_tuning_path(), device,
+                                               {BUDGET_OP: {result["key"]: entry}}))
+    return result
 
 
 def _no_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:

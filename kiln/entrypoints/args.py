@@ -38,8 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "\"cudagraph_capture_sizes\": [1, 2, 4]}'; they win over -O")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=default_of("max_num_seqs"))
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=default_of("max_num_batched_tokens"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (the chunked-prefill budget; default: the "
+                        "budget `kiln bench budget` measured for this model on this host, "
+                        f"else {default_of('max_num_batched_tokens')})")
     p.add_argument("--block-size", type=int, default=default_of("block_size"))
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None)

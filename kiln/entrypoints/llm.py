@@ -23,6 +23,25 @@ Prompt = str | dict[str, Any]
 Message = dict[str, str]
 
 
+def _with_budget(model: str | None, dtype: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """kwargs with max_num_batched_tokens filled when unset (absent or None): the budget
+    `kiln bench budget` measured for these settings on this device, else EngineConfig's
+    default. An explicit value always wins."""
+    if kwargs.get("max_num_batched_tokens") is not None:
+        return kwargs
+    from kiln.config.engine import parse_dtype
+    from kiln.ops.tuning import tuned_budget
+
+    kwargs = {k: v for k, v in kwargs.items() if k != "max_num_batched_tokens"}
+    tuned = tuned_budget(model, parse_dtype(dtype), kwargs.get("quantization"),
+                         kwargs.get("device", "cpu"))
+    if tuned is not None:
+        logger.info("max_num_batched_tokens=%d: measured for this model and host by `kiln "
+                    "bench budget` (the tuning table); pass it to override", tuned)
+        kwargs["max_num_batched_tokens"] = tuned
+    return kwargs
+
+
 class LLM:
     """Generate text offline. `model=None` is the embedded default (SmolLM2-135M-Instruct).
 
@@ -32,6 +51,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
                  optimization_level: int = 2, progress: bool = True, **kwargs: Any) -> None:
+        kwargs = _with_budget(model, dtype, kwargs)
         config = EngineConfig(model=model, dtype=dtype, optimization_level=optimization_level,
                               **kwargs)
         check_io_processor_name(config.io_processor_plugin)

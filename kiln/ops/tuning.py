@@ -91,3 +91,27 @@ def lookup(op: str, shape: str, device: str | torch.device = "cpu",
     ops = load_tuning(path).get("devices", {}).get(device_name(device), {})
     entry = ops.get(op, {}).get(shape)
     return entry if isinstance(entry, dict) else None
+
+
+# The chunked-prefill token budget measured per host by `kiln bench budget`: one entry per
+# model, requested dtype and quantization ("best" is the budget, "us" each candidate's
+# prefill time of the measured prompt).
+BUDGET_OP = "prefill_budget"
+
+
+def budget_key(model: str | None, dtype: str, quantization: str | None) -> str:
+    """The table key of an engine's budget, from its requested settings: the model's
+    directory or file name (the embedded default: "default"), dtype as given ("auto"
+    included) and quantization (unset: "checkpoint")."""
+    name = Path(model).name if model else "default"
+    return shape_key(model=name, dtype=dtype, quantization=quantization or "checkpoint")
+
+
+def tuned_budget(model: str | None, dtype: str, quantization: str | None,
+                 device: str | torch.device = "cpu") -> int | None:
+    """The measured max_num_batched_tokens for these settings on this device, or None."""
+    entry = lookup(BUDGET_OP, budget_key(model, dtype, quantization), device)
+    try:
+        return int(entry["best"]) if entry else None
+    except (KeyError, TypeError, ValueError):
+        return None
