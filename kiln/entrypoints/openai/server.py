@@ -118,7 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_data_parallel(args, max_body)
     for name in (__name__, "kiln.entrypoints.openai.app", "kiln.engine.llm_engine",
-                 "kiln.entrypoints.openai.serving_lora", "kiln.sampling.defaults"):
+                 "kiln.entrypoints.llm", "kiln.entrypoints.openai.serving_lora",
+                 "kiln.sampling.defaults"):
         logging.getLogger(name).setLevel(logging.INFO)  # start-up stages are always shown
     lora_modules = _lora_settings(args)
     from kiln.entrypoints.openai.tool_parsers import make_tool_parser
