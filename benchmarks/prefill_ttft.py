@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--vs-sdpa", action="store_true")
     args = ap.parse_args()
 
+    import torch
+
     from kiln import LLM, SamplingParams
     from kiln.platforms.cpu import CpuPlatform
 
@@ -48,7 +50,6 @@ def main() -> None:
         for i in range(args.repeats + 1):
             for j, path in enumerate(paths):
                 if path is not None:
-                    import torch
                     torch.ops.kiln_cpu.set_prefill_kernel(path)
                 start = time.perf_counter()
                 llm.generate({"prompt_token_ids": prompt(n, 2 * i + j + 10 * n)}, one,

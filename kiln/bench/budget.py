@@ -46,13 +46,11 @@ def run_budget(make: Callable[[int], Any], candidates: list[int], prompt_len: in
         llm = make(budget)
         try:
             config = _engine_settings(llm.engine)
-            best: tuple[float, list[float]] | None = None
-            for _ in range(repeats + 1):  # the first one warms up
-                took = _one_run(llm.engine, prompt_len, decode_rows, rng)
-                best = took if best is None or took[0] < best[0] else best
-            assert best is not None
-            runs[budget] = {"prefill_s": best[0], "prefill_tok_s": prompt_len / best[0],
-                            "steps": len(best[1]), "step_ms": summarize(scaled(best[1], 1e3))}
+            took = [_one_run(llm.engine, prompt_len, decode_rows, rng, f"b{budget}r{i}")
+                    for i in range(repeats + 1)]
+            prefill_s, steps = min(took[1:])  # the first run warms up, unkept
+            runs[budget] = {"prefill_s": prefill_s, "prefill_tok_s": prompt_len / prefill_s,
+                            "steps": len(steps), "step_ms": summarize(scaled(steps, 1e3))}
         finally:
             llm.shutdown()
     top = max(r["prefill_tok_s"] for r in runs.values())
@@ -70,8 +68,8 @@ def _engine_settings(engine: Any) -> dict[str, Any]:
             "optimization_level": c.optimization_level, "device": c.device}
 
 
-def _one_run(engine: Any, prompt_len: int, decode_rows: int,
-             rng: random.Random) -> tuple[float, list[float]]:
+def _one_run(engine: Any, prompt_len: int, decode_rows: int, rng: random.Random,
+             tag: str) -> tuple[float, list[float]]:
     """(seconds from the long prompt's arrival to its first token, each step's seconds
     meanwhile) with `decode_rows` requests decoding beside it."""
     from kiln.sampling.params import SamplingParams
@@ -80,7 +78,6 @@ def _one_run(engine: Any, prompt_len: int, decode_rows: int,
     if prompt_len + 1 > engine.max_model_len:
         raise ValueError(f"prompt_len={prompt_len} does not fit max_model_len="
                          f"{engine.max_model_len}; shorten it or raise --max-model-len")
-    tag = f"budget{rng.random():.12f}"
     long_decode = SamplingParams(temperature=0, max_tokens=engine.max_model_len - 16,
                                  ignore_eos=True)
     rows = [f"{tag}-d{i}" for i in range(decode_rows)]

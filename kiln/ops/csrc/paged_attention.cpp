@@ -16,9 +16,10 @@
 // [tokens, heads, head_size]; block_table [reqs, max_blocks], seq_lens and
 // query_start_loc int32; decode_reqs int64 [R, 2] (runs, see decode_impl), prefill_reqs
 // int64 [P]. Decode rows run in the kernel below (fp32 arithmetic; bf16 dot products for
-// bf16 caches on AVX512-BF16 builds, see scores_bf16); prefill rows gather their
-// blocks and call SDPA with a bottom-right causal mask, as the torch backend does (SDPA's
-// own causal flag where the rows are a whole prompt).
+// bf16 caches on AVX512-BF16 builds, see scores_bf16); bf16 prefill rows run the tiled
+// kernel of attention_prefill.h over K/V packed from their blocks; float32 prefill rows
+// gather their blocks and call SDPA with a bottom-right causal mask, as the torch backend
+// does (SDPA's own causal flag where the rows are a whole prompt).
 //
 // Per layer the batch also carries its KV-cache group (each group has its own block
 // table and slot mapping: the hybrid cache of sliding-window models), its sliding window
