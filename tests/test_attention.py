@@ -11,6 +11,7 @@ from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.forward_context import (ForwardContext, get_forward_context,
                                             set_forward_context)
+from kiln.ops import cpu_kernels
 
 
 def dense_reference(q, k, v, scale):
@@ -169,7 +170,8 @@ def test_bf16_prefill_kernel_matches_dense_attention(heads, kv_heads, D, block_s
     (the path it replaced, still behind `set_prefill_kernel(False)`): a prompt longer than
     one 512-key chunk, chunks after a cached prefix (one crossing a chunk boundary), short
     prompts and a decode row beside them; GQA groups 1 to 8; with a window the blocks
-    before every row's window are NaN, so reading one would show."""
+    before every row's window are NaN, so reading one would show. On AMX hosts the
+    tiles' path and the registers' are both checked."""
     from attention_batches import (dense_reference, make_batch, poison_out_of_window,
                                    run_backend, windowed)
 
@@ -182,6 +184,14 @@ def test_bf16_prefill_kernel_matches_dense_attention(heads, kv_heads, D, block_s
         batch = poison_out_of_window(batch, window)
     n = expected.shape[0]
     kernel = run_backend(CpuPagedBackend, batch, spec)[0][:n].float()
+    if cpu_kernels.amx_active():  # the tiles ran (D % 32 == 0): the registers' path too
+        try:
+            torch.ops.kiln_cpu.set_amx(False, 1)
+            regs = run_backend(CpuPagedBackend, batch, spec)[0][:n].float()
+        finally:
+            cpu_kernels.set_amx_from(cpu_kernels.amx_from())
+        assert torch.equal(regs, kernel) == (D % 32 != 0)
+        torch.testing.assert_close(regs, expected, atol=1.6e-2, rtol=1.6e-2)
     torch.ops.kiln_cpu.set_prefill_kernel(False)
     try:
         sdpa = run_backend(CpuPagedBackend, batch, spec)[0][:n].float()

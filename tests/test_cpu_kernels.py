@@ -32,10 +32,9 @@ def amx(request):
     on = request.param == "amx"
     if on and not (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()):
         pytest.skip("this CPU has no AMX")
-    torch.ops.kiln_cpu.set_amx(on)
+    torch.ops.kiln_cpu.set_amx(on, 1)  # tiles at every row count
     yield on
-    torch.ops.kiln_cpu.set_amx(bool(torch.cpu._is_amx_tile_supported()
-                                    and torch.cpu._init_amx()))
+    cpu_kernels.set_amx_from(cpu_kernels.amx_from())
 
 
 def test_pack_layout_matches_its_definition():
@@ -62,6 +61,35 @@ def test_linear_packed_matches_fp32_reference(m, n, k, amx):
         # bf16 output rounding (2^-8 relative) plus fp32 summation-order noise
         err = (got.float() - ref).abs().max() / ref.abs().max()
         assert err < 1e-2, f"relative error {err}"
+
+
+def test_linear_tiles_run_from_the_amx_threshold():
+    """`amx_from` reaches the kernel, `linear_tiles_off` lifts it out of reach for a while,
+    and the result hardly depends on the path: tiles and registers both accumulate pair
+    by pair in fp32 (so the bits cannot show the path; the kernel's state does)."""
+    if not cpu_kernels.amx_active():
+        pytest.skip("no AMX tiles on this host or build")
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(832, 1536, generator=g).to(torch.bfloat16)
+    wp, x = pack(w), torch.randn(4, 1536, generator=g).to(torch.bfloat16)
+    before = cpu_kernels.amx_from()
+    try:
+        results = {}
+        for rows in (1, 3):
+            cpu_kernels.set_amx_from(rows)
+            assert torch.ops.kiln_cpu.amx_rows() == rows
+            results[rows] = [linear(x[:m], w, None, wp) for m in (1, 2, 3, 4)]
+            with cpu_kernels.linear_tiles_off():
+                assert torch.ops.kiln_cpu.amx_rows() > 4
+                regs = [linear(x[:m], w, None, wp) for m in (1, 2, 3, 4)]
+            assert torch.ops.kiln_cpu.amx_rows() == rows
+            for a, b in zip(results[rows], regs):  # at most a rounding step apart
+                torch.testing.assert_close(a, b, atol=0, rtol=2 ** -7)
+        ref = F.linear(x.float(), w.float())
+        for m, got in enumerate(results[3], 1):
+            assert (got.float() - ref[:m]).abs().max() / ref.abs().max() < 1e-2
+    finally:
+        cpu_kernels.set_amx_from(before)
 
 
 def test_linear_packed_handles_leading_dims_and_empty_batches():

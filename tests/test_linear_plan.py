@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from kiln.models.packing import pack_linears, plan_signature
 from kiln.ops.linear import linear, pack
-from kiln.ops.linear_plan import DEFAULT, LinearPlan, plan_from_times, plans_from_table
+from kiln.ops.linear_plan import (AMX_FROM_DEFAULT, DEFAULT, LinearPlan, amx_from_times,
+                                  plan_from_times, plans_from_table)
 
 
 def times(**rows_to_winner: str) -> dict[int, dict[str, float]]:
@@ -44,6 +45,21 @@ def test_plans_from_table_reads_linear_entries_per_shape_and_dtype():
                "garbage": entry(1, 1)}
     plans = plans_from_table(entries, torch.bfloat16)
     assert plans == {(64, 32): LinearPlan(True, 256), (96, 64): LinearPlan(True, 0)}
+
+
+def test_amx_from_is_where_tiles_stop_losing_over_all_shapes():
+    def us(tiles: float, regs: float) -> dict[str, float]:
+        return {"kiln-packed": tiles, "kiln-packed-regs": regs, "F.linear": 0.1}
+
+    assert amx_from_times({}) == AMX_FROM_DEFAULT
+    assert amx_from_times({(64, 32): {1: {"kiln-packed": 1.0}}}) == AMX_FROM_DEFAULT
+    # Summed over shapes: at 2 rows the second shape's loss outweighs the first's gain.
+    times = {(64, 32): {1: us(12, 10), 2: us(10, 12), 4: us(5, 20), 16: us(5, 50)},
+             (96, 64): {1: us(30, 20), 2: us(40, 20), 4: us(8, 30), 16: us(9, 90)}}
+    assert amx_from_times(times) == 4
+    # A loss above a win pushes the switch above it; registers winning at the top: never.
+    times[(96, 64)][16] = us(900, 90)
+    assert amx_from_times(times) == 17
 
 
 @pytest.mark.usefixtures("cpu_kernels_loaded")

@@ -6,6 +6,8 @@ Candidates, each on a weight laid out once beforehand (never per call):
 
   F.linear          PyTorch's GEMM on the plain weight (oneDNN/MKL; the reference)
   kiln-packed       kiln's packed-tile kernel (bf16; AMX, AVX512-BF16, or AVX512 or AVX2 FMAs)
+  kiln-packed-regs  the same with AMX tiles off (AMX hosts only): the row count from which
+                    tiles run is chosen from these two (linear_plan.amx_from_times)
   onednn-prepacked  oneDNN's own prepacked layout (`mkldnn._reorder_linear_weight`);
                     bf16 only where oneDNN runs bf16 natively (not on AVX2-only hosts)
   inductor-autotune Inductor max-autotune with freezing: its CPU GEMM templates vs aten
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from kiln.bench.cases import Candidate, Case, Shapes, close
 from kiln.ops import cpu_kernels
 from kiln.ops.linear import linear, pack
+from kiln.ops.linear_plan import PACKED, REGS
 from kiln.ops.tuning import shape_key
 
 
@@ -75,8 +78,9 @@ def linear_cases(s: Shapes, compiled: bool) -> list[Case]:
             x = torch.randn(rows, k, generator=g).to(s.dtype)
             cands = [Candidate("F.linear", lambda x=x, w=w: F.linear(x, w))]
             if wp is not None:
-                cands.append(Candidate("kiln-packed", lambda x=x, w=w, wp=wp: linear(x, w,
-                                                                                    None, wp)))
+                cands.append(Candidate(PACKED, lambda x=x, w=w, wp=wp: linear(x, w, None, wp)))
+            if wp is not None and cpu_kernels.amx_active():
+                cands.append(Candidate(REGS, lambda x=x, w=w, wp=wp: _without_tiles(x, w, wp)))
             extra: list[tuple[str, Callable[[], Any]]] = []
             if onednn_prepack:
                 extra.append(("onednn-prepacked",
@@ -88,6 +92,11 @@ def linear_cases(s: Shapes, compiled: bool) -> list[Case]:
             cases.append(Case("linear", linear_key(rows, n, k, s.dtype), cands,
                               compare=lambda a, b, tol=tol: close(a, b, tol)))
     return cases
+
+
+def _without_tiles(x: torch.Tensor, w: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+    with cpu_kernels.linear_tiles_off():
+        return linear(x, w, None, wp)
 
 
 def _deferred(make: Callable[[], Callable[[torch.Tensor], torch.Tensor]],

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from filelock import FileLock
@@ -49,7 +50,8 @@ SOURCES = [CSRC / name for name in ("linear_bf16.cpp", "linear_quant.cpp",
                                       "greedy.cpp", "lora.cpp", "bitmask.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "linear_quant.h", "attention_decode.h",
-                                      "attention_prefill.h")]
+                                      "attention_prefill.h", "attention_prefill_amx.h",
+                                      "amx.h")]
 # The instructions each ISA class's build may use (kiln.platforms.cpu names the classes).
 ISA_FLAGS = {
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16",
@@ -255,6 +257,39 @@ def _ensure_loaded(cache_root: Path, progress: bool) -> bool:
 
 FAILED = "build.failed"  # beside the library: this build failed on this machine
 
+# Whether this process may use AMX tiles, and the linear's row count from which it does
+# (kiln/ops/linear_plan.py: measured per host, kept in the tuning table).
+_amx: dict[str, Any] = {"on": False, "from": 2}
+
+
+def amx_active() -> bool:
+    """Whether the loaded kernels run AMX tiles (an AMX build, with the tiles granted)."""
+    return loaded() and bool(_amx["on"])
+
+
+def set_amx_from(rows: int) -> None:
+    """Tiles from `rows` rows on in the linear (the prefill attention's use them at any
+    size); a count above any batch switches the linear's tiles off."""
+    _amx["from"] = rows
+    torch.ops.kiln_cpu.set_amx(bool(_amx["on"]), rows)
+
+
+def amx_from() -> int:
+    """The linear's row count from which AMX tiles run (when they run at all)."""
+    return int(_amx["from"])
+
+
+@contextlib.contextmanager
+def linear_tiles_off() -> Iterator[None]:
+    """The linear's register kernel at every row count meanwhile (the harness's
+    `kiln-packed-regs` candidate)."""
+    rows = int(_amx["from"])
+    set_amx_from(1 << 30)
+    try:
+        yield
+    finally:
+        set_amx_from(rows)
+
 
 def _mark_failed(cache_root: Path, reason: str) -> None:
     try:  # optional: a read-only cache only means a background build again next time
@@ -281,7 +316,12 @@ def _load(cache_root: Path, progress: bool) -> None:
     torch.ops.load_library(str(target))
     # AMX tiles need the kernel's permission per process; without it (or in a build for
     # another class) the register-tiled kernel runs at every row count.
-    torch.ops.kiln_cpu.set_amx(isa_class() == "amx" and bool(torch.cpu._init_amx()))
+    _amx["on"] = isa_class() == "amx" and bool(torch.cpu._init_amx())
+    if _amx["on"]:
+        from kiln.ops.linear_plan import load_amx_from
+
+        _amx["from"] = load_amx_from("cpu")
+    set_amx_from(_amx["from"])
     torch.ops.kiln_cpu.set_prefill_kernel(envs.KILN_CPU_PREFILL != "sdpa")
     _state["signature"] = sig
 

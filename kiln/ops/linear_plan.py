@@ -15,6 +15,16 @@ the packed kernel beats oneDNN's bf16 GEMM 3x at every row count from 1 to 512; 
 F.linear never wins there; on AMX it beat oneDNN at every row count when it was written.
 AVX512-BF16 without AMX (Zen 4) has not been timed by us: run the harness there and the
 table overrides the default.
+
+On AMX hosts the packed kernel itself has two paths: tiles, and the AVX512-BF16 register
+kernel. Tiles compute 16 rows whatever a batch holds, so at one row the register kernel
+is faster. Measured on a 2-vCPU Sapphire Rapids class Xeon (SmolLM2's five shapes,
+2026-12-06): at 1 row the register kernel took 0.81-0.92x the tiles' time, at 2 rows
+0.85-1.64x (the lm_head still favoured registers), from 3 rows on the tiles won every
+shape (1.3-9x). The row count from which tiles run is one process-wide setting
+(`amx_from`): the harness times both paths (`kiln-packed-regs` is the register one) and
+the smallest row count from which the tiles' total over the model's shapes is no slower,
+there and at every larger count measured, is taken. Without entries: AMX_FROM_DEFAULT.
 """
 from __future__ import annotations
 
@@ -24,6 +34,8 @@ from typing import Any, Mapping
 import torch
 
 PACKED, DENSE = "kiln-packed", "F.linear"
+REGS = "kiln-packed-regs"  # the packed kernel with AMX tiles off (timed on AMX hosts only)
+AMX_FROM_DEFAULT = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +86,33 @@ def load_plans(dtype: torch.dtype, device: torch.device) -> dict[tuple[int, int]
     from kiln.ops.tuning import device_entries
 
     return plans_from_table(device_entries("linear", device), dtype)
+
+
+def amx_from_times(times: Mapping[tuple, Mapping[int, Mapping[str, float]]]) -> int:
+    """The row count from which the packed kernel uses AMX tiles, from {shape: {rows:
+    {candidate: us}}}: the smallest one where the tiles' total over the shapes timed with
+    both paths is no slower than the registers', there and at every larger row count."""
+    totals: dict[int, list[float]] = {}
+    for by_rows in times.values():
+        for rows, cands in by_rows.items():
+            if PACKED in cands and REGS in cands:
+                t = totals.setdefault(rows, [0.0, 0.0])
+                t[0] += cands[PACKED]
+                t[1] += cands[REGS]
+    if not totals:
+        return AMX_FROM_DEFAULT
+    amx_from = max(totals) + 1  # registers win at the top: tiles never
+    for rows in sorted(totals, reverse=True):
+        tiles, regs = totals[rows]
+        if tiles > regs:
+            break
+        amx_from = rows
+    return amx_from
+
+
+def load_amx_from(device: torch.device | str = "cpu") -> int:
+    """This host's `amx_from` from the tuning table's bf16 linear entries."""
+    from kiln.ops.tuning import device_entries, times_by_shape
+
+    return amx_from_times(times_by_shape(device_entries("linear", device), torch.bfloat16,
+                                         lambda d: (int(d["n"]), int(d["k"])), "rows"))

@@ -24,6 +24,9 @@
 //     (and before a window) are never computed.
 // Numerics: fp32 scores, max, sums and output accumulators, bf16 P (native builds; the
 // others keep P in fp32). Results differ from SDPA's by rounding only.
+// With AMX (and D % 32 == 0) both products run on tiles (attention_prefill_amx.h): the
+// item's rows are padded to 16, its queries copied to one contiguous block (an A tile
+// needs one stride), and each chunk's keys rounded up to 32 (one extra zero tile packed).
 #pragma once
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -33,7 +36,9 @@
 #include <limits>
 #include <vector>
 
+#include "amx.h"
 #include "attention_decode.h"
+#include "attention_prefill_amx.h"
 #include "simd.h"
 
 namespace kiln_prefill {
@@ -41,8 +46,13 @@ namespace kiln_prefill {
 namespace isa = kiln_isa;
 using isa::V16;
 
-constexpr int64_t kChunk = 512;     // keys per online-softmax step (S: rows x 2 KB)
-constexpr int64_t kItemRows = 48;   // query vectors per item: tokens x group
+// Keys per online-softmax step. AMX, 2,000 tokens: 512 keys 6.9 ms a layer, 256 8.3, 128 8.5.
+constexpr int64_t kChunk = 512;
+// Scratch row strides (floats of S, bf16 of P): a chunk plus one cache line, so that the
+// item's rows do not all map to the same L1 sets (a power-of-two stride would).
+constexpr int64_t kSStride = kChunk + 16, kPStride = kChunk + 32;
+// Query vectors per item (tokens x group); with tiles 64, 96 and 128 were no faster.
+constexpr int64_t kItemRows = 48;
 constexpr int RT = isa::kGemmRows;  // register tile: RT query rows x NB 16-wide blocks
 constexpr int NB = isa::kGemmBlocks;
 
@@ -135,52 +145,48 @@ inline void pv_block(const uint16_t* const* p, const float* const* pf, const uin
 // One thread's buffers, kept between calls (the op runs one layer at a time).
 struct Scratch {
   std::vector<float> s, o, qf, m, l;
-  std::vector<uint16_t> pb;
+  std::vector<uint16_t> pb, qa;  // qa: the queries, contiguous (AMX)
   std::vector<const uint16_t*> qrow, prow;
   std::vector<const float*> qfrow, pfrow;
   std::vector<float*> srow, orow;
 };
 
-// Softmax step of one row over chunk keys [a, b) of n16 computed (scores in s, already
-// scaled): updates the row's max m and sum l, writes P (zeros outside [a, b)) and returns
-// the factor the row's output must be scaled by first.
-inline float softmax_row(float* s, uint16_t* pb, int64_t a, int64_t b, int64_t n16, float& m,
-                         float& l) {
+// Softmax step of one row over chunk keys [a, b) of n16 computed, from raw scores s (the
+// softmax takes s * scale; scale > 0, so the max of the raw scores gives the scaled
+// one): updates the row's max m and sum l, writes P (zeros outside [a, b)) and returns
+// the factor the row's output must be scaled by first. One pass finds the max and one
+// computes, sums and stores P (bf16 on native builds): on AMX the two products take
+// about a quarter of a score's time and these passes the rest, so none is spared.
+inline float softmax_row(float* s, uint16_t* pb, int64_t a, int64_t b, int64_t n16,
+                         float scale, float& m, float& l) {
   if (b <= a) {  // no visible key in this chunk (a window's edge)
     if constexpr (isa::kNativeBf16) std::memset(pb, 0, n16 * 2);
     else std::memset(s, 0, n16 * 4);
     return 1.f;
   }
-  const int64_t va = std::min(b, (a + 15) / 16 * 16), vb = std::max(va, b / 16 * 16);
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = a; j < va; ++j) mx = std::max(mx, s[j]);
-  V16 vm = isa::set1(mx);
-  for (int64_t j = va; j < vb; j += 16) vm = isa::max(vm, isa::loadu(s + j));
-  mx = isa::reduce_max(vm);
-  for (int64_t j = vb; j < b; ++j) mx = std::max(mx, s[j]);
-  const float m_new = std::max(m, mx);
+  V16 vm = isa::set1(-std::numeric_limits<float>::infinity());
+  for (int64_t j = a / 16 * 16; j < b; j += 16)
+    vm = isa::max_masked(vm, isa::lanes_between(a - j, b - j), isa::loadu(s + j));
+  const float m_new = std::max(m, isa::reduce_max(vm) * scale);
   const float alpha = std::isinf(m) ? 0.f : std::exp(m - m_new);
-  float sum = 0.f;
-  for (int64_t j = 0; j < a; ++j) s[j] = 0.f;
-  for (int64_t j = a; j < va; ++j) sum += s[j] = std::exp(s[j] - m_new);
-  V16 vs = isa::zero();
-  const V16 vmax = isa::set1(m_new);
-  for (int64_t j = va; j < vb; j += 16) {
-    const V16 e = kiln_attn::exp_nonpositive(isa::sub(isa::loadu(s + j), vmax));
-    vs = isa::add(vs, e);
-    isa::storeu(s + j, e);
+  const V16 vscale = isa::set1(scale), neg_max = isa::set1(-m_new);
+  V16 sum = isa::zero();
+  for (int64_t j = 0; j < n16; j += 16) {
+    V16 e = isa::zero();
+    if (j + 16 > a && j < b) {
+      e = kiln_attn::exp_nonpositive(isa::fmadd(isa::loadu(s + j), vscale, neg_max));
+      if (j < a || j + 16 > b) e = isa::zero_unmasked(isa::lanes_between(a - j, b - j), e);
+      sum = isa::add(sum, e);
+    }
+    if constexpr (isa::kNativeBf16) isa::store_bf16(pb + j, e);
+    else isa::storeu(s + j, e);
   }
-  sum += isa::reduce_add(vs);
-  for (int64_t j = vb; j < b; ++j) sum += s[j] = std::exp(s[j] - m_new);
-  for (int64_t j = b; j < n16; ++j) s[j] = 0.f;
-  if constexpr (isa::kNativeBf16)
-    for (int64_t j = 0; j < n16; j += 16) isa::store_bf16(pb + j, isa::loadu(s + j));
-  l = l * alpha + sum;
+  l = l * alpha + isa::reduce_add(sum);
   m = m_new;
   return alpha;
 }
 
-// Scores of rows x n16 keys from packed tile `kp` into scratch.s (row stride kChunk).
+// Scores of rows x n16 keys from packed tile `kp` into scratch.s (row stride kSStride).
 inline void scores(Scratch& sc, int64_t rows, const uint16_t* kp, int64_t D, int64_t n16) {
   for (int64_t r = 0; r < rows; r += RT) {
     int64_t t = 0;
@@ -210,13 +216,13 @@ inline void weighted_values(Scratch& sc, int64_t rows, const uint16_t* vp, int64
 }
 
 // Point the scratch rows at item (h, tokens t0 .. t1 - 1): row r is token t0 + r / group,
-// query head h * group + r % group; rows past the item's repeat its first (their results
-// land in spare scratch rows and are dropped).
+// query head h * group + r % group; rows past the item's (up to a multiple of `unit`)
+// repeat its first (their results land in spare scratch rows and are dropped).
 inline int64_t bind_rows(Scratch& sc, const Prompt& p, int64_t group, int64_t D, int64_t h,
-                         int64_t t0, int64_t t1) {
-  const int64_t rows = (t1 - t0) * group, padded = (rows + RT - 1) / RT * RT;
-  sc.s.resize(padded * kChunk);
-  sc.pb.resize(padded * kChunk);
+                         int64_t t0, int64_t t1, int64_t unit) {
+  const int64_t rows = (t1 - t0) * group, padded = (rows + unit - 1) / unit * unit;
+  sc.s.resize(padded * kSStride);
+  sc.pb.resize(padded * kPStride);
   sc.o.assign(padded * D, 0.f);
   sc.m.assign(padded, -std::numeric_limits<float>::infinity());
   sc.l.assign(padded, 0.f);
@@ -227,12 +233,12 @@ inline int64_t bind_rows(Scratch& sc, const Prompt& p, int64_t group, int64_t D,
     const int64_t src = r < rows ? r : 0;
     sc.qrow[r] =
         p.q + (t0 + src / group) * p.q_stride + (h * group + src % group) * p.q_head_stride;
-    sc.srow[r] = sc.s.data() + r * kChunk;
+    sc.srow[r] = sc.s.data() + r * kSStride;
     sc.orow[r] = sc.o.data() + r * D;
-    sc.prow[r] = sc.pb.data() + r * kChunk;
+    sc.prow[r] = sc.pb.data() + r * kPStride;
     sc.pfrow[r] = sc.srow[r];
     // Spare rows' P: zeros, not stale bits (their sums are dropped, but must stay finite).
-    if (r >= rows) std::memset(sc.pb.data() + r * kChunk, 0, kChunk * 2);
+    if (r >= rows) std::memset(sc.pb.data() + r * kPStride, 0, kPStride * 2);
     if (!isa::kNativeBf16) {  // the fp32 copy the widened pair products broadcast from
       float* f = sc.qf.data() + r * D;
       for (int64_t d = 0; d < D; d += 16) isa::storeu(f + d, isa::load_bf16(sc.qrow[r] + d));
@@ -241,35 +247,74 @@ inline int64_t bind_rows(Scratch& sc, const Prompt& p, int64_t group, int64_t D,
       sc.qfrow[r] = nullptr;
     }
   }
+  if (unit == 16) {
+    sc.qa.resize(padded * D);
+    for (int64_t r = 0; r < padded; ++r)
+      std::memcpy(sc.qa.data() + r * D, sc.qrow[r], D * 2);
+  }
   return rows;
 }
 
+// S for the chunk's rows x n16 keys, and O += P V: on tiles or in registers.
+inline void chunk_scores(Scratch& sc, bool amx, int64_t rows, const uint16_t* kp, int64_t D,
+                         int64_t n16) {
+#ifdef __AMX_TILE__
+  if (amx) {
+    kiln_prefill_amx::qk(sc.qa.data(), sc.srow.size(), kp, D, n16, sc.s.data(), kSStride);
+    return;
+  }
+#endif
+  (void)amx;
+  scores(sc, rows, kp, D, n16);
+}
+
+inline void chunk_values(Scratch& sc, bool amx, int64_t rows, const uint16_t* vp, int64_t D,
+                         int64_t n16) {
+#ifdef __AMX_TILE__
+  if (amx) {
+    kiln_prefill_amx::pv(sc.pb.data(), kPStride, sc.orow.size(), vp, D, n16, sc.o.data());
+    return;
+  }
+#endif
+  (void)amx;
+  weighted_values(sc, rows, vp, D, n16);
+}
+
 // Item (h, tokens t0 .. t1 - 1) over packed keys kp / vp of KV head h.
+// `amx`: tiles for both products (rows padded to 16, keys per chunk rounded up to 32).
 inline void attend_item(const Prompt& p, int64_t group, int64_t D, int64_t h, int64_t t0,
-                        int64_t t1, const uint16_t* kp, const uint16_t* vp, Scratch& sc) {
-  const int64_t rows = bind_rows(sc, p, group, D, h, t0, t1);
+                        int64_t t1, const uint16_t* kp, const uint16_t* vp, bool amx,
+                        Scratch& sc) {
+  const int64_t rows = bind_rows(sc, p, group, D, h, t0, t1, amx ? 16 : RT);
+  const int64_t key_unit = amx ? 32 : 16;
   const int64_t pos0 = p.len - p.q_len + t0, end = p.len - p.q_len + t1;  // keys < end
   const int64_t begin = p.first + (first_visible(p, pos0) - p.first) / 16 * 16;
   const V16 scale = isa::set1(p.scale);
+  // With a softcap the scores are scaled and capped first, and the softmax scales by 1.
+  const float softmax_scale = p.softcap > 0 ? 1.f : p.scale;
   for (int64_t c = begin; c < end; c += kChunk) {
-    const int64_t ce = std::min(end, c + kChunk), n16 = round16(ce - c);
-    scores(sc, rows, kp + (c - p.first) * D, D, n16);
+    const int64_t ce = std::min(end, c + kChunk);
+    const int64_t n16 = (ce - c + key_unit - 1) / key_unit * key_unit;
+    chunk_scores(sc, amx, rows, kp + (c - p.first) * D, D, n16);
     for (int64_t r = 0; r < rows; ++r) {
       float* s = sc.srow[r];
-      for (int64_t j = 0; j < n16; j += 16) isa::storeu(s + j, isa::mul(isa::loadu(s + j), scale));
-      if (p.softcap > 0)
+      if (p.softcap > 0) {
+        for (int64_t j = 0; j < n16; j += 16)
+          isa::storeu(s + j, isa::mul(isa::loadu(s + j), scale));
         for (int64_t j = 0; j < n16; ++j) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
+      }
       const int64_t pos = pos0 + r / group;
       const int64_t a = std::max<int64_t>(0, first_visible(p, pos) - c);
       const int64_t b = std::min(pos + 1, ce) - c;
-      const float alpha = softmax_row(s, sc.pb.data() + r * kChunk, a, b, n16, sc.m[r], sc.l[r]);
+      const float alpha = softmax_row(s, sc.pb.data() + r * kPStride, a, b, n16, softmax_scale,
+                                      sc.m[r], sc.l[r]);
       if (alpha != 1.f) {
         float* o = sc.orow[r];
         for (int64_t d = 0; d < D; d += 16)
           isa::storeu(o + d, isa::mul(isa::loadu(o + d), isa::set1(alpha)));
       }
     }
-    weighted_values(sc, rows, vp + (c - p.first) * D, D, n16);
+    chunk_values(sc, amx, rows, vp + (c - p.first) * D, D, n16);
   }
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* o =
@@ -284,7 +329,14 @@ inline void attend_item(const Prompt& p, int64_t group, int64_t D, int64_t h, in
 inline void prefill_bf16(const Prompt& p, const uint16_t* kc, const uint16_t* vc,
                          const int32_t* blocks, int64_t block_size, int64_t kv_heads,
                          int64_t group, int64_t D) {
-  const int64_t tiles = round16(p.len - p.first) / 16, per_head = tiles * 16 * D;
+#ifdef __AMX_TILE__
+  const bool amx = kiln_amx::state().enabled && D % 32 == 0;
+#else
+  const bool amx = false;
+#endif
+  // With tiles a chunk's keys round up to 32: one more (zero) 16-key tile to read.
+  const int64_t tiles = round16(p.len - p.first) / 16 + (amx ? 1 : 0);
+  const int64_t per_head = tiles * 16 * D;
   static thread_local std::vector<uint16_t> packed;
   packed.resize(2 * kv_heads * per_head);
   uint16_t* kp = packed.data();
@@ -309,11 +361,17 @@ inline void prefill_bf16(const Prompt& p, const uint16_t* kc, const uint16_t* vc
   const std::vector<int64_t> bounds = kiln_attn::split_by_cost(cost_upto);
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t b0, int64_t b1) {
     static thread_local Scratch sc;
+#ifdef __AMX_TILE__
+    if (amx) kiln_amx::configure_full();
+#endif
     for (int64_t i = bounds[b0]; i < bounds[b1]; ++i) {
       const int64_t h = i / per_h, t0 = (i % per_h) * tokens;
       attend_item(p, group, D, h, t0, std::min(p.q_len, t0 + tokens), kp + h * per_head,
-                  vp + h * per_head, sc);
+                  vp + h * per_head, amx, sc);
     }
+#ifdef __AMX_TILE__
+    if (amx) _tile_release();
+#endif
   });
 }
 

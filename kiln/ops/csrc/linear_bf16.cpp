@@ -33,6 +33,7 @@
 #include <cstring>
 #include <memory>
 
+#include "amx.h"
 #include "simd.h"
 
 namespace {
@@ -41,7 +42,6 @@ using kiln_isa::load_bf16;
 using kiln_isa::store_bf16;
 using kiln_isa::V16;
 
-bool amx_enabled = false;
 constexpr int64_t kAhead = 4;    // weight chunks prefetched ahead of use
 constexpr int kMR = kiln_isa::kGemmRows, kNR = kiln_isa::kGemmBlocks;  // register tile
 // Rows per pass over a thread's columns: the x panel (kMBlock x K bf16) stays in L2 while
@@ -213,16 +213,10 @@ void panel_gemm(const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
 #endif
 
 #ifdef __AMX_TILE__
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles: 0-3 accumulators C[a][b] (a: 16-row x block, b: 16-column w block), 4-5 x
 // tiles, 6-7 weight tiles.
 void configure(int64_t rows0, int64_t rows1) {
-  TileConfig cfg;
+  kiln_amx::TileConfig cfg;
   const int64_t rows[2] = {rows0, rows1};
   for (int a = 0; a < 2; ++a) {
     for (int b = 0; b < 2; ++b) {
@@ -323,7 +317,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
   const c10::BFloat16* bp = b ? b->data_ptr<c10::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
 #ifdef __AMX_TILE__
-  if (amx_enabled) {
+  if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows) {
     amx_gemm(xp, wptr, bp, yp, M, K, N);
     return y;
   }
@@ -346,19 +340,33 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
 }
 
 // Python enables AMX for the process first (torch.cpu._init_amx: the kernel must grant
-// the tile state); only then may the AMX path run. Builds without AMX ignore it.
-void set_amx(bool enabled) {
+// the tile state); only then may the AMX paths run, the linear's from `min_rows` rows on
+// (amx.h). Builds without AMX ignore it.
+void set_amx(bool enabled, int64_t min_rows) {
 #ifdef __AMX_TILE__
-  amx_enabled = enabled;
+  kiln_amx::state() = kiln_amx::State{enabled, std::max<int64_t>(1, min_rows)};
 #else
-  amx_enabled = false;
-  (void)enabled;
+  (void)enabled, (void)min_rows;
 #endif
 }
 
 // The schemas of the ops a graph calls are defined in Python (kiln/ops/cpu_fakes.py);
 // these install host state only (catch-all kernels).
-TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) { m.def("set_amx(bool enabled) -> ()", &set_amx); }
+// The linear's row count from which tiles run; 0 where they do not run at all. Tiles and
+// the register kernel both accumulate pair by pair in fp32, so their results are almost
+// always the same bits and cannot tell the paths apart: tests read this instead.
+int64_t amx_rows() {
+#ifdef __AMX_TILE__
+  return kiln_amx::state().enabled ? kiln_amx::state().min_rows : 0;
+#else
+  return 0;
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
+  m.def("set_amx(bool enabled, int min_rows=1) -> ()", &set_amx);
+  m.def("amx_rows() -> int", &amx_rows);
+}
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear_packed", &linear_packed);

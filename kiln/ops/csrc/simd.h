@@ -13,7 +13,7 @@
 // Each header provides, in namespace kiln_isa:
 //   V16, Mask16; zero, set1, loadu, storeu, add, sub, mul, fmadd (a*b+c), fnmadd (c-a*b),
 //   max, reduce_add, reduce_max, round_nearest, scale_pow2 (y * 2^n, n integral);
-//   first_lanes(n) (lanes < n), max_masked, zero_unmasked;
+//   first_lanes(n) (lanes < n), lanes_between(lo, hi), max_masked, zero_unmasked;
 //   load_bf16 / store_bf16 (16 values, round to nearest even);
 //   reduce16(v): lane i = sum of v[kReduceOrder[i]]'s lanes;
 //   WRow / Pair / load_wrow / load_pair / dot: one 64-byte row of a packed weight tile

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 
 namespace kiln_isa {
 
@@ -61,6 +62,16 @@ inline Mask16 first_lanes(int64_t n) {
   const __m256 lim = _mm256_set1_ps(static_cast<float>(n));
   return {_mm256_cmp_ps(lanes, lim, _CMP_LT_OQ),
           _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps(8.f)), lim, _CMP_LT_OQ)};
+}
+// Lanes i with lo <= i < hi (either bound may lie outside 0..16).
+inline Mask16 lanes_between(int64_t lo, int64_t hi) {
+  const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_ps(8.f);
+  const __m256 l = _mm256_set1_ps(static_cast<float>(std::max<int64_t>(lo, -1)));
+  const __m256 h = _mm256_set1_ps(static_cast<float>(std::min<int64_t>(hi, 17)));
+  auto in = [&](__m256 x) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, l, _CMP_GE_OQ), _mm256_cmp_ps(x, h, _CMP_LT_OQ));
+  };
+  return {in(lanes), in(_mm256_add_ps(lanes, eight))};
 }
 inline V16 max_masked(V16 acc, Mask16 m, V16 v) {
   const V16 mx = max(acc, v);

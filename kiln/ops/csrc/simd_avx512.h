@@ -34,6 +34,11 @@ inline Mask16 first_lanes(int64_t n) {
 // max(acc, v) in the lanes of `m`, acc elsewhere.
 inline V16 max_masked(V16 acc, Mask16 m, V16 v) { return _mm512_mask_max_ps(acc, m, acc, v); }
 inline V16 zero_unmasked(Mask16 m, V16 v) { return _mm512_maskz_mov_ps(m, v); }
+// Lanes i with lo <= i < hi (either bound may lie outside 0..16).
+inline Mask16 lanes_between(int64_t lo, int64_t hi) {
+  const auto upto = [](int64_t n) { return n <= 0 ? 0u : n >= 16 ? 0xffffu : (1u << n) - 1; };
+  return static_cast<Mask16>(upto(hi) & ~upto(lo));
+}
 
 // 16 bf16 -> 16 fp32 (exact).
 inline V16 load_bf16(const void* p) {

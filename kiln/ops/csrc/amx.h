@@ -1,0 +1,45 @@
+// AMX state shared by the kernels that use tiles (linear_bf16.cpp, attention_prefill.h).
+//
+// Tiles need the kernel's permission per process (torch.cpu._init_amx, from Python), so
+// the kernels use them only once `set_amx` has switched them on, and only from
+// `min_rows` rows on: below that the register-tiled AVX512-BF16 kernel is faster (a
+// 16-row tile computes 16 rows whatever the batch holds, and its loads do not overlap as
+// the register kernel's do). Builds without AMX compile none of this.
+#pragma once
+#ifdef __AMX_TILE__
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+
+namespace kiln_amx {
+
+struct State {
+  bool enabled = false;
+  int64_t min_rows = 1;  // the linear's row count from which tiles run
+};
+
+// One instance per library (an inline function's static is shared across its units).
+inline State& state() {
+  static State s;
+  return s;
+}
+
+// A tile configuration: palette 1, tile t with rows[t] rows of colsb[t] bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// All eight tiles at 16 rows x 64 bytes (the attention kernel pads its rows to 16).
+inline void configure_full() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+}  // namespace kiln_amx
+#endif
