@@ -1,4 +1,5 @@
-// AMX state shared by the kernels that use tiles (linear_bf16.cpp, attention_prefill.h).
+// AMX state shared by the kernels that use tiles (linear_bf16.cpp, linear_quant_bf16.cpp,
+// attention_prefill.h).
 //
 // Tiles need the kernel's permission per process (torch.cpu._init_amx, from Python), so
 // the kernels use them only once `set_amx` has switched them on, and only from
@@ -37,6 +38,25 @@ inline void configure_full() {
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The GEMMs' tiles (linear_bf16.cpp, linear_quant_bf16.cpp): 0-3 accumulators C[a][b]
+// (a: a block of rows0 / rows1 x rows, b: a 16-column weight block), 4-5 x tiles, 6-7
+// weight tiles.
+inline void configure_gemm(int64_t rows0, int64_t rows1) {
+  TileConfig cfg;
+  const int64_t rows[2] = {rows0, rows1};
+  for (int a = 0; a < 2; ++a) {
+    for (int b = 0; b < 2; ++b) {
+      cfg.rows[a * 2 + b] = static_cast<uint8_t>(std::max<int64_t>(rows[a], 1));
+      cfg.colsb[a * 2 + b] = 64;
+    }
+    cfg.rows[4 + a] = static_cast<uint8_t>(std::max<int64_t>(rows[a], 1));
+    cfg.colsb[4 + a] = 64;
+    cfg.rows[6 + a] = 16;
+    cfg.colsb[6 + a] = 64;
   }
   _tile_loadconfig(&cfg);
 }

@@ -213,24 +213,6 @@ void panel_gemm(const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
 #endif
 
 #ifdef __AMX_TILE__
-// Tiles: 0-3 accumulators C[a][b] (a: 16-row x block, b: 16-column w block), 4-5 x
-// tiles, 6-7 weight tiles.
-void configure(int64_t rows0, int64_t rows1) {
-  kiln_amx::TileConfig cfg;
-  const int64_t rows[2] = {rows0, rows1};
-  for (int a = 0; a < 2; ++a) {
-    for (int b = 0; b < 2; ++b) {
-      cfg.rows[a * 2 + b] = static_cast<uint8_t>(std::max<int64_t>(rows[a], 1));
-      cfg.colsb[a * 2 + b] = 64;
-    }
-    cfg.rows[4 + a] = static_cast<uint8_t>(std::max<int64_t>(rows[a], 1));
-    cfg.colsb[4 + a] = 64;
-    cfg.rows[6 + a] = 16;
-    cfg.colsb[6 + a] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 // Up to 32 x rows starting at m0 against column blocks nb and nb + 1 (when `pair`).
 void amx_tile(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
               c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t rows0,
@@ -282,7 +264,7 @@ void amx_gemm(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
       const int64_t rows0 = std::min<int64_t>(16, M - m0);
       const int64_t rows1 = std::min<int64_t>(16, std::max<int64_t>(0, M - m0 - 16));
       if (configured != rows0 * 32 + rows1) {
-        configure(rows0, rows1);
+        kiln_amx::configure_gemm(rows0, rows1);
         configured = rows0 * 32 + rows1;
       }
       for (int64_t p = begin; p < end; ++p)
