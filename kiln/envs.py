@@ -12,7 +12,7 @@ tests and launchers change them between engines.
 | KILN_TUNING_FILE | the kernel tuning table `kiln bench kernels` writes | $KILN_HOME/tuning.json |
 | KILN_CPU_ISA | caps the CPU's ISA class (amx, avx512_bf16, avx512, avx2, none): one host runs another class's kernels | the host's |
 | KILN_CPU_KERNELS | 0 turns kiln's C++ CPU kernels off (F.linear and SDPA run) | 1 |
-| KILN_CPU_PREFILL | `sdpa`: the `cpu` attention backend's bf16 prefill rows run SDPA over gathered blocks instead of kiln's tiled kernel (for A/B runs) | kernel |
+| KILN_CPU_PREFILL | the `cpu` attention backend's bf16 prefill rows: `kernel` (kiln's tiled kernel), `sdpa` (SDPA over gathered blocks) or `auto` (the faster on this host by the tuning table, `kiln bench kernels --ops attention`; the kernel without entries) | auto |
 | KILN_DIST_TIMEOUT_S | bound on one collective or control message while serving | 600 |
 | KILN_DIST_STARTUP_TIMEOUT_S | the same bound while ranks start (connect, load, compile) | max(600, step bound) |
 | KILN_API_KEY | `kiln serve --api-key`'s default | none |
@@ -59,9 +59,10 @@ def _dist_timeout() -> float:
 
 
 def _cpu_prefill() -> str:
-    value = os.environ.get("KILN_CPU_PREFILL", "kernel").strip().lower()
-    if value not in ("kernel", "sdpa"):
-        raise ValueError(f"KILN_CPU_PREFILL={value!r}: use 'kernel' (the default) or 'sdpa'")
+    value = os.environ.get("KILN_CPU_PREFILL", "auto").strip().lower()
+    if value not in ("auto", "kernel", "sdpa"):
+        raise ValueError(f"KILN_CPU_PREFILL={value!r}: use 'auto' (the default: measured per "
+                         "host), 'kernel' or 'sdpa'")
     return value
 
 

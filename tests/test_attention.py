@@ -11,7 +11,7 @@ from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.forward_context import (ForwardContext, get_forward_context,
                                             set_forward_context)
-from kiln.ops import cpu_kernels
+from kiln.ops import cpu_paths
 
 
 def dense_reference(q, k, v, scale):
@@ -184,12 +184,12 @@ def test_bf16_prefill_kernel_matches_dense_attention(heads, kv_heads, D, block_s
         batch = poison_out_of_window(batch, window)
     n = expected.shape[0]
     kernel = run_backend(CpuPagedBackend, batch, spec)[0][:n].float()
-    if cpu_kernels.amx_active():  # the tiles ran (D % 32 == 0): the registers' path too
+    if cpu_paths.amx_active():  # the tiles ran (D % 32 == 0): the registers' path too
         try:
             torch.ops.kiln_cpu.set_amx(False, 1)
             regs = run_backend(CpuPagedBackend, batch, spec)[0][:n].float()
         finally:
-            cpu_kernels.set_amx_from(cpu_kernels.amx_from())
+            cpu_paths.set_amx_from(cpu_paths.amx_from())
         assert torch.equal(regs, kernel) == (D % 32 != 0)
         torch.testing.assert_close(regs, expected, atol=1.6e-2, rtol=1.6e-2)
     torch.ops.kiln_cpu.set_prefill_kernel(False)

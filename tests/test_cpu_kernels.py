@@ -19,7 +19,7 @@ from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.selector import select_backend
 from kiln.models.packing import pack_linears
-from kiln.ops import cpu_kernels
+from kiln.ops import cpu_kernels, cpu_paths
 from kiln.ops.linear import linear, pack
 from kiln.platforms.cpu import host_isa, isa_class
 
@@ -34,7 +34,7 @@ def amx(request):
         pytest.skip("this CPU has no AMX")
     torch.ops.kiln_cpu.set_amx(on, 1)  # tiles at every row count
     yield on
-    cpu_kernels.set_amx_from(cpu_kernels.amx_from())
+    cpu_paths.set_amx_from(cpu_paths.amx_from())
 
 
 def test_pack_layout_matches_its_definition():
@@ -67,19 +67,19 @@ def test_linear_tiles_run_from_the_amx_threshold():
     """`amx_from` reaches the kernel, `linear_tiles_off` lifts it out of reach for a while,
     and the result hardly depends on the path: tiles and registers both accumulate pair
     by pair in fp32 (so the bits cannot show the path; the kernel's state does)."""
-    if not cpu_kernels.amx_active():
+    if not cpu_paths.amx_active():
         pytest.skip("no AMX tiles on this host or build")
     g = torch.Generator().manual_seed(7)
     w = torch.randn(832, 1536, generator=g).to(torch.bfloat16)
     wp, x = pack(w), torch.randn(4, 1536, generator=g).to(torch.bfloat16)
-    before = cpu_kernels.amx_from()
+    before = cpu_paths.amx_from()
     try:
         results = {}
         for rows in (1, 3):
-            cpu_kernels.set_amx_from(rows)
+            cpu_paths.set_amx_from(rows)
             assert torch.ops.kiln_cpu.amx_rows() == rows
             results[rows] = [linear(x[:m], w, None, wp) for m in (1, 2, 3, 4)]
-            with cpu_kernels.linear_tiles_off():
+            with cpu_paths.linear_tiles_off():
                 assert torch.ops.kiln_cpu.amx_rows() > 4
                 regs = [linear(x[:m], w, None, wp) for m in (1, 2, 3, 4)]
             assert torch.ops.kiln_cpu.amx_rows() == rows
@@ -89,7 +89,7 @@ def test_linear_tiles_run_from_the_amx_threshold():
         for m, got in enumerate(results[3], 1):
             assert (got.float() - ref[:m]).abs().max() / ref.abs().max() < 1e-2
     finally:
-        cpu_kernels.set_amx_from(before)
+        cpu_paths.set_amx_from(before)
 
 
 def test_linear_packed_handles_leading_dims_and_empty_batches():
@@ -184,6 +184,53 @@ def test_prefill_path_variable_is_checked_at_start_up(monkeypatch):
     monkeypatch.setenv("KILN_CPU_PREFILL", "flash")
     with pytest.raises(ValueError, match="KILN_CPU_PREFILL='flash'"):
         cpu_kernels.host_supports()
+
+
+def test_prefill_path_is_the_faster_one_in_the_tuning_table(tmp_path, monkeypatch):
+    """KILN_CPU_PREFILL=auto (the default) runs bf16 prefill rows on the path `kiln bench
+    kernels --ops attention` measured faster here (`cpu`: kiln's kernel, `cpu-sdpa`),
+    summed over the bf16 prefill shapes; without entries the kernel; an explicit value
+    wins. The choice reaches the op: its output is then SDPA's, bit for bit."""
+    from kiln.bench.tuning import merge_into
+    from kiln.ops.tuning import CPU_SDPA, prefill_kernel_wins, shape_key
+    from kiln.platforms import device_name
+
+    table = tmp_path / "tuning.json"
+    monkeypatch.setenv("KILN_TUNING_FILE", str(table))
+    monkeypatch.delenv("KILN_CPU_PREFILL", raising=False)
+    assert prefill_kernel_wins() is None and cpu_paths._prefill_choice() is True
+
+    def key(phase: str, dtype: torch.dtype, **dims: int) -> str:
+        return shape_key(phase=phase, **dims, heads=4, kv_heads=2, head_size=32, dtype=dtype)
+
+    def entry(kernel: float, sdpa: float) -> dict:
+        return {"best": "cpu", "config": None, "us": {"cpu": kernel, CPU_SDPA: sdpa}}
+
+    merge_into(table, device_name("cpu"), {"attention": {
+        key("prefill", torch.bfloat16, tokens=512): entry(10, 30),
+        key("prefill", torch.bfloat16, tokens=2000): entry(200, 100),  # 210 vs 130 in all
+        key("decode", torch.bfloat16, batch=1, context=64): entry(1, 1000),  # not prefill
+        key("prefill", torch.float32, tokens=512): entry(1, 1000)}})  # fp32 keeps SDPA
+    assert prefill_kernel_wins() is False and cpu_paths._prefill_choice() is False
+    monkeypatch.setenv("KILN_CPU_PREFILL", "kernel")
+    assert cpu_paths._prefill_choice() is True
+    monkeypatch.setenv("KILN_CPU_PREFILL", "auto")
+
+    spec = AttentionLayerSpec(4, 2, 32, 32 ** -0.5)
+    batch = make_batch([(0, 40), (20, 30)], 4, 2, 32, 16, pad=0, seed=3,
+                       dtype=torch.bfloat16)
+    kernel = run_backend(CpuPagedBackend, batch, spec)[0]
+    try:
+        cpu_paths.choose(isa_class() == "amx")
+        chosen = run_backend(CpuPagedBackend, batch, spec)[0]
+        with cpu_paths.prefill_sdpa():  # the same path again: the choice is restored after
+            assert torch.equal(run_backend(CpuPagedBackend, batch, spec)[0], chosen)
+        assert not torch.equal(chosen, kernel)
+        assert torch.equal(run_backend(CpuPagedBackend, batch, spec)[0], chosen)
+    finally:
+        monkeypatch.setenv("KILN_TUNING_FILE", str(tmp_path / "none.json"))
+        cpu_paths.choose(isa_class() == "amx")
+    assert torch.equal(run_backend(CpuPagedBackend, batch, spec)[0], kernel)
 
 
 def test_the_unity_build_compiles_every_source_once():

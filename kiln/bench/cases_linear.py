@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench.cases import Candidate, Case, Shapes, close
-from kiln.ops import cpu_kernels
+from kiln.ops import cpu_kernels, cpu_paths
 from kiln.ops.linear import linear, pack
 from kiln.ops.linear_plan import PACKED, REGS
 from kiln.ops.tuning import shape_key
@@ -79,7 +79,7 @@ def linear_cases(s: Shapes, compiled: bool) -> list[Case]:
             cands = [Candidate("F.linear", lambda x=x, w=w: F.linear(x, w))]
             if wp is not None:
                 cands.append(Candidate(PACKED, lambda x=x, w=w, wp=wp: linear(x, w, None, wp)))
-            if wp is not None and cpu_kernels.amx_active():
+            if wp is not None and cpu_paths.amx_active():
                 cands.append(Candidate(REGS, lambda x=x, w=w, wp=wp: _without_tiles(x, w, wp)))
             extra: list[tuple[str, Callable[[], Any]]] = []
             if onednn_prepack:
@@ -95,7 +95,7 @@ def linear_cases(s: Shapes, compiled: bool) -> list[Case]:
 
 
 def _without_tiles(x: torch.Tensor, w: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
-    with cpu_kernels.linear_tiles_off():
+    with cpu_paths.linear_tiles_off():
         return linear(x, w, None, wp)
 
 

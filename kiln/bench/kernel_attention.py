@@ -29,7 +29,7 @@ import torch
 from kiln.attention.backend import AttentionLayerSpec, AttentionMetadata
 from kiln.attention.selector import BACKENDS
 from kiln.bench.cases import Candidate, Case, Shapes
-from kiln.ops.tuning import shape_key
+from kiln.ops.tuning import CPU_SDPA, shape_key
 
 BLOCK_SIZE = 16
 
@@ -160,6 +160,22 @@ def attention_cases(s: Shapes, compiled: bool) -> list[Case]:
         md = _metadata([n], [n], tables, s.device)
         key = shape_key(phase="prefill", tokens=n, heads=s.num_heads,
                         kv_heads=s.num_kv_heads, head_size=s.head_dim, dtype=s.dtype)
-        cases.append(Case("attention", key, _backend_candidates(s, spec, 1 + blocks, None,
-                                                                md, step)))
+        cands = _backend_candidates(s, spec, 1 + blocks, None, md, step)
+        cases.append(Case("attention", key, cands + _cpu_sdpa(s, cands)))
     return cases
+
+
+def _cpu_sdpa(s: Shapes, cands: list[Candidate]) -> list[Candidate]:
+    """The cpu backend's bf16 prefill on SDPA instead of kiln's kernel (`CPU_SDPA`): the
+    engine runs whichever of the two the table shows faster (cpu_kernels._prefill_choice)."""
+    from kiln.ops import cpu_kernels, cpu_paths
+
+    cpu = next((c for c in cands if c.name == "cpu" and c.config is None), None)
+    if cpu is None or s.dtype != torch.bfloat16 or not cpu_kernels.loaded():
+        return []
+
+    def run() -> torch.Tensor:
+        with cpu_paths.prefill_sdpa():
+            return cpu.run()
+
+    return [Candidate(CPU_SDPA, run)]

@@ -32,12 +32,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from filelock import FileLock
 
 from kiln import envs
+from kiln.ops import cpu_paths
 from kiln.ops.cpu_fakes import define_ops
 from kiln.platforms.cpu import isa_class
 
@@ -257,40 +257,6 @@ def _ensure_loaded(cache_root: Path, progress: bool) -> bool:
 
 FAILED = "build.failed"  # beside the library: this build failed on this machine
 
-# Whether this process may use AMX tiles, and the linear's row count from which it does
-# (kiln/ops/linear_plan.py: measured per host, kept in the tuning table).
-_amx: dict[str, Any] = {"on": False, "from": 2}
-
-
-def amx_active() -> bool:
-    """Whether the loaded kernels run AMX tiles (an AMX build, with the tiles granted)."""
-    return loaded() and bool(_amx["on"])
-
-
-def set_amx_from(rows: int) -> None:
-    """Tiles from `rows` rows on in the linear (the prefill attention's use them at any
-    size); a count above any batch switches the linear's tiles off."""
-    _amx["from"] = rows
-    torch.ops.kiln_cpu.set_amx(bool(_amx["on"]), rows)
-
-
-def amx_from() -> int:
-    """The linear's row count from which AMX tiles run (when they run at all)."""
-    return int(_amx["from"])
-
-
-@contextlib.contextmanager
-def linear_tiles_off() -> Iterator[None]:
-    """The linear's register kernel at every row count meanwhile (the harness's
-    `kiln-packed-regs` candidate)."""
-    rows = int(_amx["from"])
-    set_amx_from(1 << 30)
-    try:
-        yield
-    finally:
-        set_amx_from(rows)
-
-
 def _mark_failed(cache_root: Path, reason: str) -> None:
     try:  # optional: a read-only cache only means a background build again next time
         marker = _target(cache_root).parent / FAILED
@@ -314,15 +280,7 @@ def _load(cache_root: Path, progress: bool) -> None:
             (target.parent / FAILED).unlink(missing_ok=True)
     define_ops()
     torch.ops.load_library(str(target))
-    # AMX tiles need the kernel's permission per process; without it (or in a build for
-    # another class) the register-tiled kernel runs at every row count.
-    _amx["on"] = isa_class() == "amx" and bool(torch.cpu._init_amx())
-    if _amx["on"]:
-        from kiln.ops.linear_plan import load_amx_from
-
-        _amx["from"] = load_amx_from("cpu")
-    set_amx_from(_amx["from"])
-    torch.ops.kiln_cpu.set_prefill_kernel(envs.KILN_CPU_PREFILL != "sdpa")
+    cpu_paths.choose(isa_class() == "amx")  # the host's measured paths (cpu_paths.py)
     _state["signature"] = sig
 
 
