@@ -110,21 +110,9 @@ void amx_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels, 
   const int64_t chunks = a.K / 32, xs = a.K * 2;
   const uint16_t* x0 = x + m0 * a.K;
   const uint16_t* x1 = x0 + 16 * a.K;
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  for (int64_t kc = 0; kc < chunks; ++kc) {
-    _tile_loadd(4, x0 + kc * 32, xs);
-    _tile_loadd(6, panels[j] + kc * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (two) { _tile_loadd(7, panels[j + 1] + kc * 512, 64); _tile_dpbf16ps(1, 4, 7); }
-    if (rows1 > 0) {
-      _tile_loadd(5, x1 + kc * 32, xs);
-      _tile_dpbf16ps(2, 5, 6);
-      if (two) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
   alignas(64) float c[4][16][16];
-  _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
-  _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+  kiln_amx::gemm_tile(x0, x1, xs, panels[j], two ? panels[j + 1] : panels[j], rows1 > 0, two,
+                      chunks, 0, c);
   const int64_t rows[2] = {rows0, rows1};
   for (int h = 0; h < 2; ++h)
     for (int b = 0; b < (two ? 2 : 1); ++b) {
