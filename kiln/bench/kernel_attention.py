@@ -167,7 +167,7 @@ def attention_cases(s: Shapes, compiled: bool) -> list[Case]:
 
 def _cpu_sdpa(s: Shapes, cands: list[Candidate]) -> list[Candidate]:
     """The cpu backend's bf16 prefill on SDPA instead of kiln's kernel (`CPU_SDPA`): the
-    engine runs whichever of the two the table shows faster (cpu_kernels._prefill_choice)."""
+    engine runs whichever of the two the table shows faster (cpu_paths._prefill_choice)."""
     from kiln.ops import cpu_kernels, cpu_paths
 
     cpu = next((c for c in cands if c.name == "cpu" and c.config is None), None)

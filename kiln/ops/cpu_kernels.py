@@ -257,6 +257,7 @@ def _ensure_loaded(cache_root: Path, progress: bool) -> bool:
 
 FAILED = "build.failed"  # beside the library: this build failed on this machine
 
+
 def _mark_failed(cache_root: Path, reason: str) -> None:
     try:  # optional: a read-only cache only means a background build again next time
         marker = _target(cache_root).parent / FAILED

@@ -24,6 +24,9 @@ from kiln import envs
 
 logger = logging.getLogger(__name__)
 
+# This process's choices (the C++ side holds the same; these are what restores read).
+_paths: dict[str, Any] = {"on": False, "from": 2, "prefill_kernel": True}
+
 
 def choose(amx_build: bool) -> None:
     """Set the loaded library's paths for this host (called once it is loaded)."""
@@ -36,9 +39,6 @@ def choose(amx_build: bool) -> None:
         _paths["from"] = load_amx_from("cpu")
     set_amx_from(_paths["from"])
     set_prefill_kernel(_prefill_choice())
-
-
-_paths: dict[str, Any] = {"on": False, "from": 2, "prefill_kernel": True}
 
 
 def amx_active() -> bool:
