@@ -84,7 +84,8 @@ def test_prefill_rows_keep_exact_activations_where_the_direct_kernel_quantizes_t
         assert layer_panel_from(INT8, 0, isa) == 0  # exact fp32 FMAs: nothing to keep
     assert layer_panel_from(Q4, 0, "avx2") == 0  # AVX2's measured choice
     assert layer_panel_from(Q4, None, "avx512_bf16") == 64
-    assert layer_panel_from(Q4, None, "amx") == layer_panel_from(INT8, None, "amx") == 8
+    assert layer_panel_from(Q4, None, "amx") == layer_panel_from(Q8, None, "amx") == 32
+    assert layer_panel_from(INT8, None, "amx") == 8
     times[128] = {DIRECT: 3.0, PANEL: 2.0}  # the panel wins at the top only
     assert panel_from_times(times) == 128
 
