@@ -160,6 +160,24 @@ def test_verify_rows_equal_the_same_tokens_decoded_one_by_one(heads, kv_heads, D
     assert torch.equal(together, alone)
 
 
+def test_bf16_prefill_kernel_keeps_scores_far_below_the_max(cpu_kernels_loaded):
+    """Scores more than 126 octaves below their row's max weigh nothing; the kernel's exp
+    must not wrap there (AVX2 builds scale by exponent bits). Large queries make every
+    row's softmax nearly one-hot, its other scores far below the max."""
+    import dataclasses
+
+    from attention_batches import dense_reference, make_batch, run_backend
+
+    spec = AttentionLayerSpec(4, 2, 64, 64 ** -0.5)
+    batch = make_batch([(0, 100), (60, 40)], 4, 2, 64, 16, pad=0, seed=5,
+                       dtype=torch.bfloat16)
+    batch = dataclasses.replace(batch, query=batch.query * 300)
+    expected = dense_reference(batch, spec).float()
+    got = run_backend(CpuPagedBackend, batch, spec)[0][:expected.shape[0]].float()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.parametrize("heads,kv_heads,D,block_size,window,softcap", [
     (9, 3, 64, 16, None, None), (8, 1, 128, 32, 37, None), (6, 2, 48, 16, None, 5.0),
     (4, 4, 16, 16, 20, 3.0)])

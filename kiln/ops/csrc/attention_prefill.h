@@ -154,8 +154,11 @@ struct Scratch {
 // 2^t for t <= 0: t = n + r (n = round(t), |r| <= 1/2), 2^r by its Taylor polynomial of
 // degree 5 (relative error below 3e-6: P is rounded to bf16's 2^-9 after), scaled by 2^n.
 // About half the instructions of kiln_attn::exp_nonpositive, whose full fp32 accuracy P
-// does not keep: the softmax passes, not the tiles, bound the AMX kernel.
+// does not keep: the softmax passes, not the tiles, bound the AMX kernel. t is clamped
+// at -126 (2^-126, a weight of nothing next to the max's 1): AVX2's scale_pow2 builds
+// 2^n from exponent bits, which wrap below that.
 inline V16 exp2_nonpositive(V16 t) {
+  t = isa::max(t, isa::set1(-126.f));
   const V16 n = isa::round_nearest(t);
   const V16 r = isa::sub(t, n);
   V16 p = isa::set1(1.3333558e-3f);
