@@ -128,12 +128,13 @@ def prefill_kernel_wins(device: str | torch.device = "cpu") -> bool | None:
     the lower; None without such entries. Measured: on Zen 4 the kernel won 2.4x at 2,000
     tokens; on a Xeon capped to AVX512-BF16, SDPA won 2.2x (with AMX tiles the kernel won
     1.7x)."""
+    times = times_by_shape(device_entries("attention", device), torch.bfloat16,
+                           lambda d: (d["phase"], d["heads"], d["kv_heads"], d["head_size"]),
+                           "tokens")  # decode shapes have no token count: skipped
     kernel = sdpa = 0.0
-    for key, entry in device_entries("attention", device).items():
-        dims = parse_key(key)
-        us = entry.get("us", {}) if isinstance(entry, dict) else {}
-        if dims.get("phase") == "prefill" and dims.get("dtype") == "bfloat16" and \
-                "cpu" in us and CPU_SDPA in us:
-            kernel += float(us["cpu"])
-            sdpa += float(us[CPU_SDPA])
+    for by_tokens in times.values():
+        for us in by_tokens.values():
+            if "cpu" in us and CPU_SDPA in us:
+                kernel += float(us["cpu"])
+                sdpa += float(us[CPU_SDPA])
     return None if kernel == sdpa == 0.0 else kernel <= sdpa

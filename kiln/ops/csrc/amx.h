@@ -61,6 +61,23 @@ inline void configure_gemm(int64_t rows0, int64_t rows1) {
   _tile_loadconfig(&cfg);
 }
 
+// One step of a 2 x 2 block: C[a][b] += A_a B_b with A_0 at a0, A_1 at a1 (when `second`;
+// row stride as bytes) and B_0 at b0, B_1 at b1 (when `pair`; row stride bs bytes), into
+// accumulator tiles 0-3 (C[a][b] is tile 2a + b). The GEMMs' and the prefill attention's
+// inner step (configure_gemm / configure_full set the shapes).
+inline void step_2x2(const void* a0, const void* a1, int64_t as, const void* b0,
+                     const void* b1, int64_t bs, bool second, bool pair) {
+  _tile_loadd(4, a0, as);
+  _tile_loadd(6, b0, bs);
+  _tile_dpbf16ps(0, 4, 6);
+  if (pair) { _tile_loadd(7, b1, bs); _tile_dpbf16ps(1, 4, 7); }
+  if (second) {
+    _tile_loadd(5, a1, as);
+    _tile_dpbf16ps(2, 5, 6);
+    if (pair) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 // C = up to 32 x rows (x0: a tile of 16 rows, x1: the next when `second`; row stride xs
 // bytes) times one or two (`pair`) packed 16-column weight blocks w0, w1 (one 1 KiB tile
 // per 32-deep chunk), over `chunks` chunks, fp32: c[a * 2 + b] is row tile a x block b.
@@ -79,15 +96,7 @@ inline void gemm_tile(const uint16_t* x0, const uint16_t* x1, int64_t xs, const 
         if (pair) _mm_prefetch(ahead1 + line, _MM_HINT_T0);
       }
     }
-    _tile_loadd(4, x0 + kc * 32, xs);
-    _tile_loadd(6, w0 + kc * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (pair) { _tile_loadd(7, w1 + kc * 512, 64); _tile_dpbf16ps(1, 4, 7); }
-    if (second) {
-      _tile_loadd(5, x1 + kc * 32, xs);
-      _tile_dpbf16ps(2, 5, 6);
-      if (pair) _tile_dpbf16ps(3, 5, 7);
-    }
+    step_2x2(x0 + kc * 32, x1 + kc * 32, xs, w0 + kc * 512, w1 + kc * 512, 64, second, pair);
   }
   _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
   _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);

@@ -260,10 +260,12 @@ inline void weighted_values(Scratch& sc, int64_t rows, const uint16_t* vp, int64
 }
 
 // Point the scratch rows at item (h, tokens t0 .. t1 - 1): row r is token t0 + r / group,
-// query head h * group + r % group; rows past the item's (up to a multiple of `unit`)
-// repeat its first (their results land in spare scratch rows and are dropped).
+// query head h * group + r % group; rows past the item's (up to a multiple of the register
+// tile, or of 16 with `amx`) repeat its first (their results land in spare scratch rows
+// and are dropped). With `amx` the queries are also copied into one block (sc.qa).
 inline int64_t bind_rows(Scratch& sc, const Prompt& p, int64_t group, int64_t D, int64_t h,
-                         int64_t t0, int64_t t1, int64_t unit) {
+                         int64_t t0, int64_t t1, bool amx) {
+  const int64_t unit = amx ? 16 : RT;
   const int64_t rows = (t1 - t0) * group, padded = (rows + unit - 1) / unit * unit;
   sc.s.resize(padded * kSStride);
   sc.pb.resize(padded * kPStride);
@@ -291,7 +293,7 @@ inline int64_t bind_rows(Scratch& sc, const Prompt& p, int64_t group, int64_t D,
       sc.qfrow[r] = nullptr;
     }
   }
-  if (unit == 16) {
+  if (amx) {
     sc.qa.resize(padded * D);
     for (int64_t r = 0; r < padded; ++r)
       std::memcpy(sc.qa.data() + r * D, sc.qrow[r], D * 2);
@@ -329,7 +331,7 @@ inline void chunk_values(Scratch& sc, bool amx, int64_t rows, const uint16_t* vp
 inline void attend_item(const Prompt& p, int64_t group, int64_t D, int64_t h, int64_t t0,
                         int64_t t1, const uint16_t* kp, const uint16_t* vp, bool amx,
                         Scratch& sc) {
-  const int64_t rows = bind_rows(sc, p, group, D, h, t0, t1, amx ? 16 : RT);
+  const int64_t rows = bind_rows(sc, p, group, D, h, t0, t1, amx);
   const int64_t key_unit = amx ? 32 : 16;
   const int64_t pos0 = p.len - p.q_len + t0, end = p.len - p.q_len + t1;  // keys < end
   const int64_t begin = p.first + (first_visible(p, pos0) - p.first) / 16 * 16;

@@ -5,7 +5,7 @@
 // keys each), and V's key pairs [pair][D][2] give, per 16-dim block, rows of 64 bytes at
 // a stride of one key pair (4 D bytes). So S = Q K^T and O += P V run as 2 x 2 blocks of
 // 16 x 16 fp32 accumulator tiles (tmm0-3) over A tiles of queries or probabilities
-// (tmm4-5) and B tiles of keys or values (tmm6-7), the linear's blocking (linear_bf16.cpp).
+// (tmm4-5) and B tiles of keys or values (tmm6-7): amx.h's step_2x2, as the linears.
 // Shapes: rows % 16 == 0 (the item's rows are padded), keys % 32 == 0, D % 32 == 0.
 // The caller configures the tiles (kiln_amx::configure_full) and releases them.
 #pragma once
@@ -29,18 +29,8 @@ inline void qk(const uint16_t* q, int64_t rows, const uint16_t* kp, int64_t D, i
       const uint16_t* k0 = kp + k * D;  // 16-key tiles of 16 D elements
       const uint16_t* k1 = k0 + 16 * D;
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      for (int64_t d = 0; d < D; d += 32) {
-        _tile_loadd(4, q0 + d, qs);
-        _tile_loadd(6, k0 + 16 * d, 64);
-        _tile_loadd(7, k1 + 16 * d, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, q1 + d, qs);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      }
+      for (int64_t d = 0; d < D; d += 32)
+        kiln_amx::step_2x2(q0 + d, q1 + d, qs, k0 + 16 * d, k1 + 16 * d, 64, two, true);
       float* s0 = s + r * s_stride + k;
       _tile_stored(0, s0, ss);
       _tile_stored(1, s0 + 16, ss);
@@ -69,16 +59,7 @@ inline void pv(const uint16_t* p, int64_t p_stride, int64_t rows, const uint16_t
       if (two) { _tile_loadd(2, o1, os); _tile_loadd(3, o1 + 16, os); }
       for (int64_t k = 0; k < keys; k += 32) {  // 16 key pairs per B tile
         const uint16_t* v = vp + k * D + 2 * b;
-        _tile_loadd(4, p0 + k, ps);
-        _tile_loadd(6, v, vs);
-        _tile_loadd(7, v + 32, vs);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, p1 + k, ps);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        kiln_amx::step_2x2(p0 + k, p1 + k, ps, v, v + 32, vs, two, true);
       }
       _tile_stored(0, o0, os);
       _tile_stored(1, o0 + 16, os);
