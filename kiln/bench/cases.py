@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.ops import pointwise
 from kiln.ops.tuning import shape_key
 from kiln.sampling.sampler import apply_top_k_top_p
 
@@ -102,6 +103,14 @@ def _compiled(fn: Callable[..., Any], shapes: Shapes) -> list[tuple[str, Callabl
     return out
 
 
+def _kiln_kernel(name: str, fn: Callable[..., Any], shapes: Shapes
+                 ) -> list[tuple[str, Callable[..., Any]]]:
+    """The model layer's own path where it runs kiln's CPU kernel (csrc/pointwise.cpp);
+    elsewhere it is the "eager" expression already listed."""
+    probe = torch.empty(0, device=shapes.device, dtype=shapes.dtype)
+    return [(name, fn)] if pointwise.kernel_applies(probe) else []
+
+
 def _with_extras(op: str, base: list[Candidate], shapes: Shapes, **inputs: Any
                  ) -> list[Candidate]:
     return base + [Candidate(name, factory(shapes, **inputs))
@@ -144,8 +153,13 @@ def rope_cases(s: Shapes, compiled: bool) -> list[Case]:
 
         return rot(q), rot(k)
 
-    variants = [("eager", rope.forward), ("split-halves", halves)]
-    variants += _compiled(rope.forward, s) if compiled else []
+    def native(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return pointwise.rotary_neox_native(positions, q, k, rope.cos, rope.sin)
+
+    variants = [("eager", native), ("split-halves", halves)]
+    variants += _kiln_kernel("kiln", rope.forward, s)
+    variants += _compiled(native, s) if compiled else []
     cases = []
     for t in s.token_counts:
         pos = torch.randint(0, s.max_positions, (t,), device=s.device)
@@ -166,8 +180,9 @@ def silu_and_mul_cases(s: Shapes, compiled: bool) -> list[Case]:
     def sliced(x: torch.Tensor) -> torch.Tensor:
         return F.silu(x[:, :inter]) * x[:, inter:]
 
-    variants = [("eager", act.forward), ("slice", sliced)]
-    variants += _compiled(act.forward, s) if compiled else []
+    variants = [("eager", pointwise.silu_and_mul_native), ("slice", sliced)]
+    variants += _kiln_kernel("kiln", act.forward, s)
+    variants += _compiled(pointwise.silu_and_mul_native, s) if compiled else []
     cases = []
     for t in s.token_counts:
         x = torch.randn(t, 2 * inter, device=s.device, dtype=s.dtype)

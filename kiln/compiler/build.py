@@ -39,7 +39,7 @@ def source_hash(model: nn.Module) -> str:
     module, not path, so the same code in another checkout or venv hashes alike."""
     modules = {type(m).__module__ for m in model.modules()} | {
         "kiln.attention.layer", "kiln.ops.linear", "kiln.distributed.collectives",
-        "kiln.quantization.methods", "kiln.ops.lora"}
+        "kiln.quantization.methods", "kiln.ops.lora", "kiln.ops.pointwise"}
     h = hashlib.sha256()
     for name in sorted(modules):
         source = inspect.getsourcefile(importlib.import_module(name))

@@ -8,6 +8,7 @@ from torch import nn
 
 from kiln.ops.linear import linear
 from kiln.ops.lora import add_lora
+from kiln.ops.pointwise import rotary_neox, silu_and_mul
 
 
 class LinearMethod:
@@ -89,14 +90,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, heads, hd], k: [T, kv_heads, hd]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return rotary_neox(positions, q, k, self.cos, self.sin)
 
 
 def _inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -127,8 +121,7 @@ class SiluAndMul(nn.Module):
     """[T, 2 * I] (gate | up) -> [T, I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return nn.functional.silu(gate) * up
+        return silu_and_mul(x)
 
 
 # A model's layers differ only in their weights, so Dynamo traces one layer and Inductor

@@ -19,6 +19,9 @@ SCHEMAS = (
      "Tensor indices) -> ()"),
     "apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()",
     "greedy_argmax(Tensor logits) -> Tensor",
+    "silu_and_mul(Tensor x) -> Tensor",
+    ("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) "
+     "-> (Tensor, Tensor)"),
     # The scale comes with the batch (per layer), not as an argument: Dynamo may turn a
     # float module attribute into a symbolic input, which a C++ op cannot take. The layer
     # index is a one-element tensor (a buffer of the layer), not an int: an int would be
@@ -69,3 +72,13 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kiln_cpu::greedy_argmax")
     def _greedy_argmax_fake(logits: torch.Tensor) -> torch.Tensor:
         return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
+    @torch.library.register_fake("kiln_cpu::silu_and_mul")
+    def _silu_and_mul_fake(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("kiln_cpu::rotary_embedding")
+    def _rotary_embedding_fake(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                               cos: torch.Tensor, sin: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q.new_empty(q.shape), k.new_empty(k.shape)

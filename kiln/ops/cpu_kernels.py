@@ -47,7 +47,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("linear_bf16.cpp", "linear_quant.cpp",
                                       "linear_quant_bf16.cpp", "linear_quant_x8.cpp",
                                       "paged_attention.cpp",
-                                      "greedy.cpp", "lora.cpp", "bitmask.cpp")]
+                                      "greedy.cpp", "lora.cpp", "bitmask.cpp",
+                                      "pointwise.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "linear_quant.h", "attention_decode.h",
                                       "attention_prefill.h", "attention_prefill_amx.h",
@@ -294,7 +295,7 @@ def _load(cache_root: Path, progress: bool) -> None:
 # linear_bf16.cpp's AVX2 panel (PanelFn, kPanel) and linear_quant.cpp's must never meet
 # in one unit. A new source goes into the unit it compiles in on every ISA class.
 UNITY_GROUPS = (("linear_quant_x8.cpp", "linear_quant.cpp", "lora.cpp", "greedy.cpp",
-                 "linear_quant_bf16.cpp", "bitmask.cpp"),
+                 "linear_quant_bf16.cpp", "bitmask.cpp", "pointwise.cpp"),
                 ("paged_attention.cpp", "linear_bf16.cpp"))
 
 

@@ -151,24 +151,11 @@ struct Scratch {
   std::vector<float*> srow, orow;
 };
 
-// 2^t for t <= 0: t = n + r (n = round(t), |r| <= 1/2), 2^r by its Taylor polynomial of
-// degree 5 (relative error below 3e-6: P is rounded to bf16's 2^-9 after), scaled by 2^n.
-// About half the instructions of kiln_attn::exp_nonpositive, whose full fp32 accuracy P
-// does not keep: the softmax passes, not the tiles, bound the AMX kernel. t is clamped
-// at -126 (2^-126, a weight of nothing next to the max's 1): AVX2's scale_pow2 builds
-// 2^n from exponent bits, which wrap below that.
-inline V16 exp2_nonpositive(V16 t) {
-  t = isa::max(t, isa::set1(-126.f));
-  const V16 n = isa::round_nearest(t);
-  const V16 r = isa::sub(t, n);
-  V16 p = isa::set1(1.3333558e-3f);
-  p = isa::fmadd(p, r, isa::set1(9.6181291e-3f));
-  p = isa::fmadd(p, r, isa::set1(5.5504109e-2f));
-  p = isa::fmadd(p, r, isa::set1(2.4022651e-1f));
-  p = isa::fmadd(p, r, isa::set1(6.9314718e-1f));
-  p = isa::fmadd(p, r, isa::set1(1.f));
-  return isa::scale_pow2(p, n);
-}
+// 2^t for t <= 0 (simd.h's polynomial: P is rounded to bf16's 2^-9 after). About half the
+// instructions of kiln_attn::exp_nonpositive, whose full fp32 accuracy P does not keep:
+// the softmax passes, not the tiles, bound the AMX kernel. t is clamped at -126 (2^-126,
+// a weight of nothing next to the max's 1).
+inline V16 exp2_nonpositive(V16 t) { return isa::exp2_in_range(isa::max(t, isa::set1(-126.f))); }
 
 // Softmax step of one row over chunk keys [a, b) of n16 computed, from raw scores s (the
 // softmax takes s * scale; scale > 0, so the max of the raw scores gives the scaled

@@ -11,8 +11,9 @@
 // fp32 one, so widening is a shift and never rounds.
 //
 // Each header provides, in namespace kiln_isa:
-//   V16, Mask16; zero, set1, loadu, storeu, add, sub, mul, fmadd (a*b+c), fnmadd (c-a*b),
-//   max, reduce_add, reduce_max, round_nearest, scale_pow2 (y * 2^n, n integral);
+//   V16, Mask16; zero, set1, loadu, storeu, add, sub, mul, div, fmadd (a*b+c),
+//   fnmadd (c-a*b), max, min, reduce_add, reduce_max, round_nearest,
+//   scale_pow2 (y * 2^n, n integral);
 //   first_lanes(n) (lanes < n), lanes_between(lo, hi), max_masked, zero_unmasked;
 //   load_bf16 / store_bf16 (16 values, round to nearest even);
 //   reduce16(v): lane i = sum of v[kReduceOrder[i]]'s lanes;
@@ -20,6 +21,7 @@
 //   (16 columns x a (k, k+1) pair) against one input row's pair, into a V16 of sums;
 //   kNativeBf16 (load_pair reads the bf16 row, else its fp32 copy);
 //   kGemmRows x kGemmBlocks: the linear's register tile (rows x 16-column blocks).
+// Below them, written once for all: exp2_in_range.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
@@ -32,3 +34,23 @@
 #else
 #error "kiln's CPU kernels need AVX2 with FMA or AVX512 (see kiln/ops/cpu_kernels.py)"
 #endif
+
+namespace kiln_isa {
+
+// 2^t for t in [-126, 126], which the caller guarantees (clamping): AVX2's scale_pow2
+// builds 2^n from exponent bits, which wrap outside. 2^n times a degree-5 polynomial in
+// the fraction r = t - n, |r| <= 1/2: relative error under 3e-6, more than a bf16 result
+// or a bf16-rounded softmax weight keeps, at a third of a libm-accurate exp's cost.
+inline V16 exp2_in_range(V16 t) {
+  const V16 n = round_nearest(t);
+  const V16 r = sub(t, n);
+  V16 p = set1(1.3333558e-3f);
+  p = fmadd(p, r, set1(9.6181291e-3f));
+  p = fmadd(p, r, set1(5.5504109e-2f));
+  p = fmadd(p, r, set1(2.4022651e-1f));
+  p = fmadd(p, r, set1(6.9314718e-1f));
+  p = fmadd(p, r, set1(1.f));
+  return scale_pow2(p, n);
+}
+
+}  // namespace kiln_isa

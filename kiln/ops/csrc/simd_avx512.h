@@ -19,6 +19,8 @@ inline V16 add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
 inline V16 sub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
 inline V16 mul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
 inline V16 max(V16 a, V16 b) { return _mm512_max_ps(a, b); }
+inline V16 min(V16 a, V16 b) { return _mm512_min_ps(a, b); }
+inline V16 div(V16 a, V16 b) { return _mm512_div_ps(a, b); }
 inline V16 fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
 inline V16 fnmadd(V16 a, V16 b, V16 c) { return _mm512_fnmadd_ps(a, b, c); }
 inline float reduce_add(V16 v) { return _mm512_reduce_add_ps(v); }

@@ -1,0 +1,147 @@
+// Two bf16 pointwise steps of a decoder layer, each computed in fp32 and rounded once (what
+// Inductor's fused kernels compute):
+//   kiln_cpu::silu_and_mul       SwiGLU's activation: [T, 2I] (gate | up) -> [T, I];
+//   kiln_cpu::rotary_embedding   Neox-style RoPE of q [T, H, D] and k [T, Hk, D].
+//
+// Why they exist: kiln builds Inductor's fused kernels single-threaded on small hosts
+// (kiln/compiler/build.py: a decode step's 120 OpenMP forks cost more than a second
+// thread gains there), and at prefill sizes these two were the largest of them: 2,000
+// tokens of SmolLM2 spent 92 ms (SiLU) and 47 ms (RoPE) of a 640 ms prefill in them (Xeon,
+// AMX). Here the rows are split across threads only when there are enough of them (a
+// decode step stays on one thread). SiLU's exp is simd.h's polynomial rather than a
+// libm-accurate one: the result is rounded to bf16 (2^-9) and the polynomial is within
+// 3e-6.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <atomic>
+#include <tuple>
+
+#include "simd.h"
+
+namespace {
+
+namespace isa = kiln_isa;
+using isa::V16;
+
+// silu(g) * u = g * u / (1 + e^-g), e^-g = 2^(-g log2 e) with the exponent clamped to
+// [-126, 126]: beyond it the sigmoid is 1 (to fp32) or g / 2^126 (0 to bf16).
+inline V16 silu_mul(V16 g, V16 u) {
+  const V16 t = isa::mul(g, isa::set1(-1.44269504f));
+  const V16 e = isa::exp2_in_range(isa::min(isa::max(t, isa::set1(-126.f)),
+                                            isa::set1(126.f)));
+  return isa::div(isa::mul(g, u), isa::add(isa::set1(1.f), e));
+}
+
+void silu_mul_row(const c10::BFloat16* x, c10::BFloat16* out, int64_t I) {
+  int64_t j = 0;
+  for (; j + 16 <= I; j += 16)
+    isa::store_bf16(out + j, silu_mul(isa::load_bf16(x + j), isa::load_bf16(x + I + j)));
+  if (j == I) return;
+  alignas(64) c10::BFloat16 g[16] = {}, u[16] = {}, o[16];
+  for (int64_t i = j; i < I; ++i) g[i - j] = x[i], u[i - j] = x[I + i];
+  isa::store_bf16(o, silu_mul(isa::load_bf16(g), isa::load_bf16(u)));
+  for (int64_t i = j; i < I; ++i) out[i] = o[i - j];
+}
+
+// Rows per thread's share at least this many elements: below, one thread does it all.
+constexpr int64_t kGrainElements = 16384;
+
+}  // namespace
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % 2 == 0,
+              "silu_and_mul: bf16 [T, 2I]");
+  const auto xc = x.contiguous();
+  const int64_t T = xc.size(0), I = xc.size(1) / 2;
+  auto out = at::empty({T, I}, xc.options());
+  const auto* p = xc.data_ptr<c10::BFloat16>();
+  auto* o = out.data_ptr<c10::BFloat16>();
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(I, 1));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(p + r * 2 * I, o + r * I, I);
+  });
+  return out;
+}
+
+namespace {
+
+// One token's heads: out[i] = x[i] c[i] - x[i + h] s[i], out[i + h] = x[i + h] c[i + h] +
+// x[i] s[i + h] (x * cos + rotate_half(x) * sin), h = D / 2 a multiple of 16. c and s are
+// the token's cos and sin rows already rounded to bf16, as the reference casts them.
+void rope_heads(const c10::BFloat16* x, int64_t head_stride, int64_t heads, int64_t D,
+                const float* c, const float* s, c10::BFloat16* out) {
+  const int64_t h = D / 2;
+  for (int64_t n = 0; n < heads; ++n, x += head_stride, out += D) {
+    for (int64_t i = 0; i < h; i += 16) {
+      const V16 x1 = isa::load_bf16(x + i), x2 = isa::load_bf16(x + h + i);
+      isa::store_bf16(out + i, isa::fnmadd(x2, isa::loadu(s + i),
+                                           isa::mul(x1, isa::loadu(c + i))));
+      isa::store_bf16(out + h + i, isa::fmadd(x1, isa::loadu(s + h + i),
+                                              isa::mul(x2, isa::loadu(c + h + i))));
+    }
+  }
+}
+
+// A fp32 row rounded to bf16 and widened back (exact), D a multiple of 16.
+void bf16_row(const float* src, float* dst, int64_t D) {
+  alignas(64) c10::BFloat16 b[16];
+  for (int64_t i = 0; i < D; i += 16) {
+    isa::store_bf16(b, isa::loadu(src + i));
+    isa::storeu(dst + i, isa::load_bf16(b));
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
+                                                    const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& cos,
+                                                    const at::Tensor& sin) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2) &&
+                  q.size(2) % 32 == 0 && q.stride(2) == 1 && k.stride(2) == 1 &&
+                  q.size(0) == k.size(0),
+              "rotary_embedding: bf16 q [T, H, D] and k [T, Hk, D], D % 32 == 0, "
+              "the last dimension contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2),
+              "rotary_embedding: float32 cos and sin caches [P, D]");
+  const auto pos = positions.to(at::kLong).contiguous();
+  const int64_t T = q.size(0), H = q.size(1), Hk = k.size(1), D = q.size(2);
+  const int64_t P = cos.size(0);
+  auto qo = at::empty({T, H, D}, q.options()), ko = at::empty({T, Hk, D}, k.options());
+  const auto* pp = pos.data_ptr<int64_t>();
+  const auto *qp = q.data_ptr<c10::BFloat16>(), *kp = k.data_ptr<c10::BFloat16>();
+  auto *qop = qo.data_ptr<c10::BFloat16>(), *kop = ko.data_ptr<c10::BFloat16>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  std::atomic<bool> bad{false};
+  std::atomic<int64_t> bad_position{0};
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / ((H + Hk) * D));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> cs(2 * D);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = pp[t];
+      if (p < 0 || p >= P) {
+        bad = true;
+        bad_position = p;
+        continue;
+      }
+      bf16_row(cp + p * D, cs.data(), D);
+      bf16_row(sp + p * D, cs.data() + D, D);
+      rope_heads(qp + t * q.stride(0), q.stride(1), H, D, cs.data(), cs.data() + D,
+                 qop + t * H * D);
+      rope_heads(kp + t * k.stride(0), k.stride(1), Hk, D, cs.data(), cs.data() + D,
+                 kop + t * Hk * D);
+    }
+  });
+  TORCH_CHECK(!bad.load(), "rotary_embedding: position ", bad_position.load(),
+              " outside the cache of ", P, " positions");
+  return {qo, ko};
+}
+
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}

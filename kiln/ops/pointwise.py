@@ -1,0 +1,53 @@
+"""A decoder layer's bf16 pointwise steps on kiln's CPU kernels (csrc/pointwise.cpp: one
+rounding, threads only at prefill sizes), the plain expressions elsewhere: fp32 keeps the
+reference's exact math, which Inductor fuses.
+
+  silu_and_mul   SwiGLU's activation, silu(gate) * up over [..., 2I] (gate | up);
+  rotary_neox    Neox-style RoPE of q [T, H, D] and k [T, Hk, D] from float32 cos / sin
+                 caches [P, D] (cast to the activations' dtype, as the reference does).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops import cpu_kernels
+
+
+def kernel_applies(x: torch.Tensor) -> bool:
+    return cpu_kernels.planned() and x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if kernel_applies(x):
+        lead = x.shape[:-1]
+        out = torch.ops.kiln_cpu.silu_and_mul(x.reshape(-1, x.shape[-1]))
+        return out.view(*lead, out.shape[-1])
+    return silu_and_mul_native(x)
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cos_cache: torch.Tensor, sin_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    if (kernel_applies(q) and k.dtype == q.dtype and q.shape[-1] % 32 == 0
+            and cos_cache.dtype == torch.float32):
+        return torch.ops.kiln_cpu.rotary_embedding(positions, q, k, cos_cache, sin_cache)
+    return rotary_neox_native(positions, q, k, cos_cache, sin_cache)
+
+
+def rotary_neox_native(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       cos_cache: torch.Tensor, sin_cache: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
