@@ -224,30 +224,52 @@ void amx_tile(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
   const uint16_t* x1 = x0 + 16 * K;
   alignas(64) float c[4][16][16];
   kiln_amx::gemm_tile(x0, x1, xs, w0, w1, rows1 > 0, pair, chunks, kAhead, c);
+  // Row by row, both blocks of a row together: one whole cache line of y when `pair`. Block
+  // by block, at a row stride that is a multiple of 2 KiB (gate_up's 3,072 columns: 6 KiB)
+  // the rows shared two L1 sets, and a line written half was evicted before its other half.
   const int64_t rows[2] = {rows0, rows1};
+  const int nbs = pair ? 2 : 1;
+  const __m512 bv[2] = {bias16(bias, nb * 16),
+                        pair ? bias16(bias, nb * 16 + 16) : kiln_isa::zero()};
   for (int a = 0; a < 2; ++a)
-    for (int b = 0; b < (pair ? 2 : 1); ++b) {
-      const __m512 bv = bias16(bias, (nb + b) * 16);
-      for (int64_t i = 0; i < rows[a]; ++i)
+    for (int64_t i = 0; i < rows[a]; ++i)
+      for (int b = 0; b < nbs; ++b)
         store_bf16(y + (m0 + a * 16 + i) * N + (nb + b) * 16,
-                   kiln_isa::add(_mm512_load_ps(c[a * 2 + b][i]), bv));
-    }
+                   kiln_isa::add(_mm512_load_ps(c[a * 2 + b][i]), bv[b]));
 }
+
+// Blocking of a thread's share (its column pairs) at prefill sizes: passes of rows whose
+// x fits kAmxPassXBytes (L2), and within a pass groups of kAmxPairGroup pairs (8 x 2 x
+// K/32 KiB of weights: 288 KiB at K = 576, L2), each group's tiles row block by row block.
+// So the weights are read from L3 once per pass (not once per 32 rows), and consecutive
+// tiles write the same 32 rows of y, whose pages stay in the TLB (at 3,072 columns a row
+// is 6 KiB, and a pair-by-pair order touched a new page per row per tile). 2,000 rows x
+// 576 deep, 2 threads, Xeon (amx): 3,072 columns 1.5 -> 2.0 TFLOP/s, 4,096 1.4 -> 1.85,
+// 576 2.0 -> 2.1; oneDNN 2.2-2.7.
+constexpr int64_t kAmxPassXBytes = 256 * 1024;
+constexpr int64_t kAmxPairGroup = 8;
 
 void amx_gemm(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
               c10::BFloat16* y, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = N / 16, pairs = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     int64_t configured = -1;
-    for (int64_t m0 = 0; m0 < M; m0 += 32) {
-      const int64_t rows0 = std::min<int64_t>(16, M - m0);
-      const int64_t rows1 = std::min<int64_t>(16, std::max<int64_t>(0, M - m0 - 16));
-      if (configured != rows0 * 32 + rows1) {
-        kiln_amx::configure_gemm(rows0, rows1);
-        configured = rows0 * 32 + rows1;
+    const int64_t pass_rows = std::max<int64_t>(32, kAmxPassXBytes / (K * 2) / 32 * 32);
+    for (int64_t pass = 0; pass < M; pass += pass_rows) {
+      const int64_t pass_end = std::min(M, pass + pass_rows);
+      for (int64_t g = begin; g < end; g += kAmxPairGroup) {
+        const int64_t g_end = std::min(end, g + kAmxPairGroup);
+        for (int64_t m0 = pass; m0 < pass_end; m0 += 32) {
+          const int64_t rows0 = std::min<int64_t>(16, M - m0);
+          const int64_t rows1 = std::min<int64_t>(16, std::max<int64_t>(0, M - m0 - 16));
+          if (configured != rows0 * 32 + rows1) {
+            kiln_amx::configure_gemm(rows0, rows1);
+            configured = rows0 * 32 + rows1;
+          }
+          for (int64_t p = g; p < g_end; ++p)
+            amx_tile(x, wp, bias, y, K, N, m0, rows0, rows1, 2 * p, 2 * p + 1 < blocks);
+        }
       }
-      for (int64_t p = begin; p < end; ++p)
-        amx_tile(x, wp, bias, y, K, N, m0, rows0, rows1, 2 * p, 2 * p + 1 < blocks);
     }
     _tile_release();
   });
