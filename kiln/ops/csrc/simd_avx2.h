@@ -50,8 +50,10 @@ inline V16 round_nearest(V16 v) {
   constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   return {_mm256_round_ps(v.lo, kMode), _mm256_round_ps(v.hi, kMode)};
 }
-// y * 2^n for integral n in [-126, 127], built as the float with exponent n + 127.
+// y * 2^n for integral n, built as the float with exponent n + 127: n is first clamped to
+// [-127, 127] (exponent bits 0, which make 0, to 254), as AVX512's scalef saturates.
 inline __m256 pow2_8(__m256 n) {
+  n = _mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
   const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
   return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
 }
