@@ -61,6 +61,21 @@ inline void configure_gemm(int64_t rows0, int64_t rows1) {
   _tile_loadconfig(&cfg);
 }
 
+// The GEMMs' row blocks: the next up to 32 rows (rows0 + rows1) with `left` rows to go, the
+// tiles reconfigured only when that shape changes (a pass's last, partial block).
+struct GemmRows {
+  int64_t rows0 = 0, rows1 = 0;
+  int64_t configured = -1;
+  void next(int64_t left) {
+    rows0 = std::min<int64_t>(16, left);
+    rows1 = std::min<int64_t>(16, std::max<int64_t>(0, left - 16));
+    if (configured != rows0 * 32 + rows1) {
+      configure_gemm(rows0, rows1);
+      configured = rows0 * 32 + rows1;
+    }
+  }
+};
+
 // One step of a 2 x 2 block: C[a][b] += A_a B_b with A_0 at a0, A_1 at a1 (when `second`;
 // row stride as bytes) and B_0 at b0, B_1 at b1 (when `pair`; row stride bs bytes), into
 // accumulator tiles 0-3 (C[a][b] is tile 2a + b). The GEMMs' and the prefill attention's

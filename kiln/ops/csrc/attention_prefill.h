@@ -17,12 +17,13 @@
 //     blocks the window reaches.
 //  2. Attend (in parallel over items, one item = a KV head x a tile of query tokens, all
 //     `group` query heads of that KV head together, so a packed key serves every one):
-//     per chunk of kChunk keys, S = Q K^T (fp32 sums), scale and softcap, the running max
-//     and sum per row, P = exp(S - max) rounded to bf16 as SDPA rounds it for its PV
-//     product, O = O * exp(old max - new max) + P V. Chunks start at the tile's first
+//     per chunk of kChunk keys, S = Q K^T (fp32 sums), scale and softcap, a running
+//     reference (the max, or on native builds a value near it: softmax_row) and sum per
+//     row, P = exp(S - ref) rounded to bf16 as SDPA rounds it for its PV product,
+//     O = O * exp(old ref - new ref) + P V. Chunks start at the tile's first
 //     visible key and end at its last query's position, so blocks above the diagonal
 //     (and before a window) are never computed.
-// Numerics: fp32 scores, max, sums and output accumulators, bf16 P (native builds; the
+// Numerics: fp32 scores, references, sums and output accumulators, bf16 P (native builds; the
 // others keep P in fp32). Results differ from SDPA's by rounding only.
 // With AMX (and D % 32 == 0) both products run on tiles (attention_prefill_amx.h): the
 // item's rows are padded to 16, its queries copied to one contiguous block (an A tile

@@ -253,21 +253,16 @@ void amx_gemm(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
               c10::BFloat16* y, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = N / 16, pairs = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    int64_t configured = -1;
+    kiln_amx::GemmRows rb;
     const int64_t pass_rows = std::max<int64_t>(32, kAmxPassXBytes / (K * 2) / 32 * 32);
     for (int64_t pass = 0; pass < M; pass += pass_rows) {
       const int64_t pass_end = std::min(M, pass + pass_rows);
       for (int64_t g = begin; g < end; g += kAmxPairGroup) {
         const int64_t g_end = std::min(end, g + kAmxPairGroup);
         for (int64_t m0 = pass; m0 < pass_end; m0 += 32) {
-          const int64_t rows0 = std::min<int64_t>(16, M - m0);
-          const int64_t rows1 = std::min<int64_t>(16, std::max<int64_t>(0, M - m0 - 16));
-          if (configured != rows0 * 32 + rows1) {
-            kiln_amx::configure_gemm(rows0, rows1);
-            configured = rows0 * 32 + rows1;
-          }
+          rb.next(M - m0);
           for (int64_t p = g; p < g_end; ++p)
-            amx_tile(x, wp, bias, y, K, N, m0, rows0, rows1, 2 * p, 2 * p + 1 < blocks);
+            amx_tile(x, wp, bias, y, K, N, m0, rb.rows0, rb.rows1, 2 * p, 2 * p + 1 < blocks);
         }
       }
     }

@@ -133,21 +133,16 @@ void amx_panel_gemm(const QArgs& a, const uint16_t* x) {
     std::unique_ptr<uint16_t[]> buf(new uint16_t[NB * a.K * 16]);
     const uint16_t* panels[NB];
     for (int j = 0; j < NB; ++j) panels[j] = buf.get() + j * a.K * 16;
-    int64_t configured = -1;
+    kiln_amx::GemmRows rb;
     for (int64_t mb = 0; mb < a.M; mb += fit) {
       const int64_t me = std::min(a.M, mb + fit);
       for (int64_t nb = begin; nb < end; nb += NB) {
         const int64_t nr = std::min<int64_t>(NB, end - nb);
         for (int j = 0; j < nr; ++j) weights_to_bf16<F>(a, nb + j, buf.get() + j * a.K * 16);
         for (int64_t m = mb; m < me; m += 32) {
-          const int64_t rows0 = std::min<int64_t>(16, me - m);
-          const int64_t rows1 = std::min<int64_t>(16, std::max<int64_t>(0, me - m - 16));
-          if (configured != rows0 * 32 + rows1) {
-            kiln_amx::configure_gemm(rows0, rows1);
-            configured = rows0 * 32 + rows1;
-          }
+          rb.next(me - m);
           for (int j = 0; j < nr; j += 2)
-            amx_tile<F>(a, x, panels, m, rows0, rows1, nb, j, j + 1 < nr);
+            amx_tile<F>(a, x, panels, m, rb.rows0, rb.rows1, nb, j, j + 1 < nr);
         }
       }
     }
