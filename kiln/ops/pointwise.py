@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from kiln.ops import cpu_kernels
 
 
+ROPE_MAX_HEAD_DIM = 512  # csrc/pointwise.cpp's kMaxHeadDim: its cos / sin rows on the stack
+
+
 def kernel_applies(x: torch.Tensor) -> bool:
     return cpu_kernels.planned() and x.device.type == "cpu" and x.dtype == torch.bfloat16
 
@@ -35,6 +38,7 @@ def rotary_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 cos_cache: torch.Tensor, sin_cache: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     if (kernel_applies(q) and k.dtype == q.dtype and q.shape[-1] % 32 == 0
+            and q.shape[-1] <= ROPE_MAX_HEAD_DIM
             and cos_cache.dtype == torch.float32):
         return torch.ops.kiln_cpu.rotary_embedding(positions, q, k, cos_cache, sin_cache)
     return rotary_neox_native(positions, q, k, cos_cache, sin_cache)

@@ -47,6 +47,8 @@ constexpr int kMR = kiln_isa::kGemmRows, kNR = kiln_isa::kGemmBlocks;  // regist
 // Rows per pass over a thread's columns: the x panel (kMBlock x K bf16) stays in L2 while
 // each weight slice is reused by every row of it.
 constexpr int64_t kMBlock = 256;
+// The x bytes one pass of the AVX2 panel or the AMX tiles reuses (L2), whatever K is.
+constexpr int64_t kPanelXBytes = 256 * 1024;
 
 inline V16 bias16(const c10::BFloat16* bias, int64_t n0) {
   return bias == nullptr ? kiln_isa::zero() : load_bf16(bias + n0);
@@ -148,7 +150,6 @@ void tile_gemm(const uint16_t* x, const float* xf, const uint16_t* wp,
 // fp32 panel [K, 16] (per-thread scratch, L2-resident: no per-layer copy) once per block
 // of x rows that fits L2 beside it, and runs a kPanelRows x 16 fp32 tile over the panel:
 // per k, one panel row, kPanelRows broadcasts and 2 x kPanelRows FMAs on AVX2.
-constexpr int64_t kPanelXBytes = 256 * 1024;  // the x rows one panel pass reuses
 
 void widen_block(const uint16_t* wp, int64_t chunks, int64_t nb, float* panel) {
   const uint16_t* w = wp + nb * chunks * 512;
@@ -239,14 +240,13 @@ void amx_tile(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
 }
 
 // Blocking of a thread's share (its column pairs) at prefill sizes: passes of rows whose
-// x fits kAmxPassXBytes (L2), and within a pass groups of kAmxPairGroup pairs (8 x 2 x
+// x fits kPanelXBytes (L2), and within a pass groups of kAmxPairGroup pairs (8 x 2 x
 // K/32 KiB of weights: 288 KiB at K = 576, L2), each group's tiles row block by row block.
 // So the weights are read from L3 once per pass (not once per 32 rows), and consecutive
 // tiles write the same 32 rows of y, whose pages stay in the TLB (at 3,072 columns a row
 // is 6 KiB, and a pair-by-pair order touched a new page per row per tile). 2,000 rows x
 // 576 deep, 2 threads, Xeon (amx): 3,072 columns 1.5 -> 2.0 TFLOP/s, 4,096 1.4 -> 1.85,
 // 576 2.0 -> 2.1; oneDNN 2.2-2.7.
-constexpr int64_t kAmxPassXBytes = 256 * 1024;
 constexpr int64_t kAmxPairGroup = 8;
 
 void amx_gemm(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
@@ -254,7 +254,7 @@ void amx_gemm(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
   const int64_t blocks = N / 16, pairs = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     kiln_amx::GemmRows rb;
-    const int64_t pass_rows = std::max<int64_t>(32, kAmxPassXBytes / (K * 2) / 32 * 32);
+    const int64_t pass_rows = std::max<int64_t>(32, kPanelXBytes / (K * 2) / 32 * 32);
     for (int64_t pass = 0; pass < M; pass += pass_rows) {
       const int64_t pass_end = std::min(M, pass + pass_rows);
       for (int64_t g = begin; g < end; g += kAmxPairGroup) {

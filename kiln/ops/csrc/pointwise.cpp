@@ -82,6 +82,8 @@ void rope_heads(const c10::BFloat16* x, int64_t head_stride, int64_t heads, int6
   }
 }
 
+constexpr int64_t kMaxHeadDim = 512;  // the per-thread cos / sin rows live on the stack
+
 // A fp32 row rounded to bf16 and widened back (exact), D a multiple of 16.
 void bf16_row(const float* src, float* dst, int64_t D) {
   alignas(64) c10::BFloat16 b[16];
@@ -100,9 +102,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2) &&
                   q.size(2) % 32 == 0 && q.stride(2) == 1 && k.stride(2) == 1 &&
-                  q.size(0) == k.size(0),
-              "rotary_embedding: bf16 q [T, H, D] and k [T, Hk, D], D % 32 == 0, "
-              "the last dimension contiguous");
+                  q.size(0) == k.size(0) && q.size(2) <= kMaxHeadDim,
+              "rotary_embedding: bf16 q [T, H, D] and k [T, Hk, D], D % 32 == 0 and at most ",
+              kMaxHeadDim, ", the last dimension contiguous");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2),
               "rotary_embedding: float32 cos and sin caches [P, D]");
@@ -118,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   std::atomic<int64_t> bad_position{0};
   const int64_t grain = std::max<int64_t>(1, kGrainElements / ((H + Hk) * D));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> cs(2 * D);
+    alignas(64) float cs[2 * kMaxHeadDim];  // the token's bf16-rounded cos and sin rows
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = pp[t];
       if (p < 0 || p >= P) {
@@ -126,11 +128,11 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
         bad_position = p;
         continue;
       }
-      bf16_row(cp + p * D, cs.data(), D);
-      bf16_row(sp + p * D, cs.data() + D, D);
-      rope_heads(qp + t * q.stride(0), q.stride(1), H, D, cs.data(), cs.data() + D,
+      bf16_row(cp + p * D, cs, D);
+      bf16_row(sp + p * D, cs + D, D);
+      rope_heads(qp + t * q.stride(0), q.stride(1), H, D, cs, cs + D,
                  qop + t * H * D);
-      rope_heads(kp + t * k.stride(0), k.stride(1), Hk, D, cs.data(), cs.data() + D,
+      rope_heads(kp + t * k.stride(0), k.stride(1), Hk, D, cs, cs + D,
                  kop + t * Hk * D);
     }
   });
