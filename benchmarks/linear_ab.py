@@ -1,5 +1,5 @@
 """Two builds of kiln's packed linear side by side in one process, interleaved, on a
-model's linear shapes, with PyTorch's fp32 GEMM beside them:
+model's linear shapes, with PyTorch's fp32 and bf16 (oneDNN) GEMMs beside them:
 
     python benchmarks/linear_ab.py OLD_CSRC [NEW_CSRC] [--rows 1 8 32 128 512]
 
@@ -50,7 +50,10 @@ def build(csrc: Path, namespace: str) -> Callable[..., torch.Tensor]:
     flags = cpu_kernels.cflags(cpu_kernels.isa_class())
     load(f"{namespace}_ops", sources=[str(work / "linear_bf16.cpp")], extra_cflags=flags,
          extra_ldflags=["-fopenmp"], build_directory=str(work), is_python_module=False)
-    op = getattr(torch.ops, namespace).linear_packed
+    ops = getattr(torch.ops, namespace)
+    if cpu_kernels.isa_class() == "amx" and torch.cpu._init_amx():
+        ops.set_amx(True, 1)  # tiles from one row on: the path large batches take
+    op = ops.linear_packed
     return lambda x, wp: op(x, wp, None, None, 0)
 
 
@@ -76,7 +79,7 @@ def main() -> None:
     print(f"ISA class {cpu_kernels.isa_class()}, {torch.get_num_threads()} threads, "
           f"min of {args.samples} interleaved samples")
     print(f"{'layer':<14} {'rows':>5} {'old ms':>9} {'new ms':>9} {'fp32 ms':>9} "
-          f"{'new/old':>8} {'new/fp32':>8}")
+          f"{'bf16 ms':>9} {'new/old':>8} {'new/fp32':>8} {'new/bf16':>8}")
     shapes = model_shapes(args.model, "bfloat16", "cpu", [1], [1], 1)
     for kind, (n, k) in layer_shapes(shapes).items():
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
@@ -88,15 +91,16 @@ def main() -> None:
             for run in builds:
                 err = (run(x, wp).float() - ref).abs().max() / ref.abs().max()
                 assert err < 1e-2, f"{kind} rows={rows}: relative error {err}"
-            fns = [lambda run=run: run(x, wp) for run in builds] + [lambda: F.linear(xf, wf)]
+            fns = [lambda run=run: run(x, wp) for run in builds] + [lambda: F.linear(xf, wf),
+                                                                    lambda: F.linear(x, w)]
             iters = max(2, int(1e8 / (rows * n * k + 1e6)))
             samples: list[list[float]] = [[] for _ in fns]
-            for _ in range(args.samples):  # interleaved: old, new, fp32, old, ...
+            for _ in range(args.samples):  # interleaved: old, new, fp32, bf16, old, ...
                 for times, f in zip(samples, fns):
                     times.append(per_call_ms(f, iters))
-            a, b, c = (min(times) for times in samples)
-            print(f"{kind:<14} {rows:>5} {a:>9.3f} {b:>9.3f} {c:>9.3f} {a / b:>7.2f}x "
-                  f"{c / b:>7.2f}x", flush=True)
+            a, b, c, d = (min(times) for times in samples)
+            print(f"{kind:<14} {rows:>5} {a:>9.3f} {b:>9.3f} {c:>9.3f} {d:>9.3f} {a / b:>7.2f}x "
+                  f"{c / b:>7.2f}x {d / b:>7.2f}x", flush=True)
 
 
 if __name__ == "__main__":
