@@ -200,7 +200,7 @@ void panel_gemm(const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
   const int64_t blocks = (M + fit - 1) / fit;
   const int64_t block = ((M + blocks - 1) / blocks + R - 1) / R * R;
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> panel(new float[K * 16]);
+    const auto panel = kiln_isa::aligned_buffer<float>(K * 16);
     for (int64_t mb = 0; mb < M; mb += block) {
       const int64_t me = std::min(M, mb + block);
       for (int64_t nb = begin; nb < end; ++nb) {

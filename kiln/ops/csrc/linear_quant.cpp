@@ -187,7 +187,7 @@ void panel_gemm(const QArgs& a) {
   const int64_t blocks = (a.M + fit - 1) / fit;
   const int64_t block = ((a.M + blocks - 1) / blocks + R - 1) / R * R;
   at::parallel_for(0, a.N / 16, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> panel(new float[a.K * 16]);
+    const auto panel = kiln_isa::aligned_buffer<float>(a.K * 16);
     for (int64_t mb = 0; mb < a.M; mb += block) {
       const int64_t me = std::min(a.M, mb + block);
       for (int64_t nb = begin; nb < end; ++nb) {

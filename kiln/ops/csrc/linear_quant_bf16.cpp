@@ -130,7 +130,7 @@ void amx_panel_gemm(const QArgs& a, const uint16_t* x) {
   constexpr int64_t NB = kCodeBlocks;
   const int64_t fit = std::max<int64_t>(32, kPanelXBytes / (a.K * 2) / 32 * 32);
   at::parallel_for(0, a.N / 16, NB, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<uint16_t[]> buf(new uint16_t[NB * a.K * 16]);
+    const auto buf = kiln_isa::aligned_buffer<uint16_t>(NB * a.K * 16);
     const uint16_t* panels[NB];
     for (int j = 0; j < NB; ++j) panels[j] = buf.get() + j * a.K * 16;
     kiln_amx::GemmRows rb;
@@ -164,7 +164,7 @@ void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
   const int64_t blocks = (a.M + fit - 1) / fit;
   const int64_t block = ((a.M + blocks - 1) / blocks + MR - 1) / MR * MR;
   at::parallel_for(0, a.N / 16, NB, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<uint16_t[]> buf(new uint16_t[NB * a.K * 16]);
+    const auto buf = kiln_isa::aligned_buffer<uint16_t>(NB * a.K * 16);
     const uint16_t* panels[NB];
     for (int j = 0; j < NB; ++j) panels[j] = buf.get() + j * a.K * 16;
     for (int64_t mb = 0; mb < a.M; mb += block) {

@@ -21,11 +21,16 @@
 //   (16 columns x a (k, k+1) pair) against one input row's pair, into a V16 of sums;
 //   kNativeBf16 (load_pair reads the bf16 row, else its fp32 copy);
 //   kGemmRows x kGemmBlocks: the linear's register tile (rows x 16-column blocks).
-// Below them, written once for all: exp2.
+// Below them, written once for all: exp2, and line-aligned scratch (Aligned64,
+// AlignedVector, aligned_buffer).
 #pragma once
 #include <immintrin.h>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include "simd_avx512.h"
@@ -50,6 +55,38 @@ inline V16 exp2(V16 t) {
   p = fmadd(p, r, set1(6.9312196e-1f));
   p = fmadd(p, r, set1(9.9999919e-1f));
   return scale_pow2(p, n);
+}
+
+// Allocator for scratch vectors that tiles and vector loads read whole cache lines of:
+// malloc aligns to 16 bytes, and a buffer 16 bytes off a line makes every 64-byte tile
+// row or vector touch two lines (an AMX tile load of 16 rows, 32 lines).
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+template <class T>
+using AlignedVector = std::vector<T, Aligned64<T>>;
+
+// An uninitialised line-aligned buffer of n T (per-call panels and scratch).
+struct AlignedDelete {
+  void operator()(void* p) const { ::operator delete(p, std::align_val_t{64}); }
+};
+template <class T>
+using AlignedBuffer = std::unique_ptr<T[], AlignedDelete>;
+template <class T>
+AlignedBuffer<T> aligned_buffer(size_t n) {
+  return AlignedBuffer<T>(static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})));
 }
 
 }  // namespace kiln_isa
