@@ -21,7 +21,7 @@
 //   (16 columns x a (k, k+1) pair) against one input row's pair, into a V16 of sums;
 //   kNativeBf16 (load_pair reads the bf16 row, else its fp32 copy);
 //   kGemmRows x kGemmBlocks: the linear's register tile (rows x 16-column blocks).
-// Below them, written once for all: exp2, and line-aligned scratch (Aligned64,
+// Below them, written once for all: exp2, exp2_bf16, and line-aligned scratch (Aligned64,
 // AlignedVector, aligned_buffer).
 #pragma once
 #include <immintrin.h>
@@ -54,6 +54,19 @@ inline V16 exp2(V16 t) {
   p = fmadd(p, r, set1(2.4024982e-1f));
   p = fmadd(p, r, set1(6.9312196e-1f));
   p = fmadd(p, r, set1(9.9999919e-1f));
+  return scale_pow2(p, n);
+}
+
+// 2^t as exp2 but with a degree-3 polynomial (relative error under 7.5e-5, fifty times
+// below a bf16 rounding): for values that are rounded to bf16 or only weigh such values
+// (the prefill attention's P and its sums), one FMA fewer.
+inline V16 exp2_bf16(V16 t) {
+  const V16 n = round_nearest(t);
+  const V16 r = sub(t, n);
+  V16 p = set1(5.5171669e-2f);
+  p = fmadd(p, r, set1(2.4261114e-1f));
+  p = fmadd(p, r, set1(6.9326097e-1f));
+  p = fmadd(p, r, set1(9.9992806e-1f));
   return scale_pow2(p, n);
 }
 
