@@ -17,7 +17,7 @@ from kiln.attention.backend import AttentionLayerSpec
 from kiln.kv_cache.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCacheGroupSpec,
                                          SlidingWindowSpec, describe_groups, group_layers,
                                          group_size)
-from kiln.runner.huge_pages import HUGE_PAGE, huge_zeros
+from kiln.runner.huge_pages import HUGE_PAGE, lazy_zeros
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither size field is given
 
@@ -55,7 +55,7 @@ def allocate_kv_cache(spec: AttentionSpec, num_slots: int, num_blocks: int,
     shape = (num_slots, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
     if device.type == "cpu":
         check_fits_in_memory(torch.Size(shape).numel() * spec.dtype.itemsize)
-    buffer = (huge_zeros(shape, spec.dtype) if device.type == "cpu"
+    buffer = (lazy_zeros(shape, spec.dtype) if device.type == "cpu"
               else torch.zeros(shape, dtype=spec.dtype, device=device))
     ready = None
     if device.type == "cpu":
@@ -66,14 +66,14 @@ def allocate_kv_cache(spec: AttentionSpec, num_slots: int, num_blocks: int,
 
 
 def prefault_first_blocks(buffer: torch.Tensor) -> None:
-    """Back the first huge page of every layer's keys and values now. huge_zeros leaves
-    the cache untouched (touching all of it cost 0.8-2.4 s of each start), and the pool
-    hands out blocks from the front, so the first requests' blocks all lie in these
-    pages: without this the first request paid their faults (0.45 s of a short chat
-    answer here). The rest is backed as requests reach it. It runs on a thread: its one
-    indexed write (0.4-0.6 s of faults on this VM, Zen 4) holds no GIL and starts no
-    OpenMP team, so the compiled code's loading, which is Python, runs beside it (warm
-    `load` median 4.4 -> 3.8 s)."""
+    """Back the first 2 MiB of every layer's keys and values now. lazy_zeros leaves the
+    cache untouched (touching all of it cost 0.8-2.4 s of each start when it was on huge
+    pages), and the pool hands out blocks from the front, so the first requests' blocks
+    all lie in these pages: without this the first request paid their faults (0.45 s of
+    a short chat answer, on huge pages). The rest is backed as requests reach it. It runs
+    on a thread: its one indexed write holds no GIL and starts no OpenMP team, so the
+    compiled code's loading, which is Python, runs beside it (warm `load` median 4.4 ->
+    3.8 s, on huge pages)."""
     per_block = buffer[0, 0, 0].numel() * buffer.element_size()
     blocks = max(1, min(buffer.shape[2], HUGE_PAGE // per_block))
     if envs.KILN_KV_PREFAULT == "all":  # steady memory from the start (a soak measures it)
@@ -86,7 +86,7 @@ def prefault_first_blocks(buffer: torch.Tensor) -> None:
 
 
 def check_fits_in_memory(nbytes: int) -> None:
-    """A CPU KV cache is not touched at start-up (huge_zeros), so the kernel would accept
+    """A CPU KV cache is not touched at start-up (lazy_zeros), so the kernel would accept
     a size it cannot back and the engine would be killed mid-serving: refuse it here."""
     available = _mem_available()
     if available is not None and nbytes > available:
