@@ -43,32 +43,29 @@
 namespace kiln_isa {
 
 // 2^t for finite t (below -126 it flushes to 0 or a denormal, above 127 it saturates:
-// scale_pow2 takes care of both). 2^n times a degree-4 polynomial in the fraction
-// r = t - n, |r| <= 1/2, fitted for relative error (under 2.7e-6): more than a bf16 result
-// or a bf16-rounded softmax weight keeps, at a third of a libm-accurate exp's cost.
-inline V16 exp2(V16 t) {
+// scale_pow2 takes care of both): 2^n times a polynomial in the fraction r = t - n,
+// |r| <= 1/2 (coefficients highest power first), fitted for relative error.
+template <int N>
+inline V16 exp2_poly(V16 t, const float (&c)[N]) {
   const V16 n = round_nearest(t);
   const V16 r = sub(t, n);
-  V16 p = set1(9.5605198e-3f);
-  p = fmadd(p, r, set1(5.5917123e-2f));
-  p = fmadd(p, r, set1(2.4024982e-1f));
-  p = fmadd(p, r, set1(6.9312196e-1f));
-  p = fmadd(p, r, set1(9.9999919e-1f));
+  V16 p = set1(c[0]);
+  for (int i = 1; i < N; ++i) p = fmadd(p, r, set1(c[i]));
   return scale_pow2(p, n);
 }
 
-// 2^t as exp2 but with a degree-3 polynomial (relative error under 7.5e-5, fifty times
-// below a bf16 rounding): for values that are rounded to bf16 or only weigh such values
-// (the prefill attention's P and its sums), one FMA fewer.
-inline V16 exp2_bf16(V16 t) {
-  const V16 n = round_nearest(t);
-  const V16 r = sub(t, n);
-  V16 p = set1(5.5171669e-2f);
-  p = fmadd(p, r, set1(2.4261114e-1f));
-  p = fmadd(p, r, set1(6.9326097e-1f));
-  p = fmadd(p, r, set1(9.9992806e-1f));
-  return scale_pow2(p, n);
-}
+// Degree 4, relative error under 2.7e-6: more than a bf16 result or a bf16-rounded
+// softmax weight keeps, at a third of a libm-accurate exp's cost.
+inline constexpr float kExp2Degree4[] = {9.5605198e-3f, 5.5917123e-2f, 2.4024982e-1f,
+                                         6.9312196e-1f, 9.9999919e-1f};
+inline V16 exp2(V16 t) { return exp2_poly(t, kExp2Degree4); }
+
+// Degree 3, relative error under 7.5e-5 (fifty times below a bf16 rounding): for values
+// that are rounded to bf16 or only weigh such values (the prefill attention's P and its
+// sums), one FMA fewer.
+inline constexpr float kExp2Degree3[] = {5.5171669e-2f, 2.4261114e-1f, 6.9326097e-1f,
+                                         9.9992806e-1f};
+inline V16 exp2_bf16(V16 t) { return exp2_poly(t, kExp2Degree3); }
 
 // Allocator for scratch vectors that tiles and vector loads read whole cache lines of:
 // malloc aligns to 16 bytes, and a buffer 16 bytes off a line makes every 64-byte tile
