@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from kiln.runner import huge_pages
-from kiln.runner.huge_pages import HUGE_PAGE, lazy_zeros, move_weights_to_huge_pages
+from kiln.runner.huge_pages import HUGE_PAGE, move_weights_to_huge_pages
+from kiln.runner.kv_alloc import lazy_zeros
 
 needs_thp = pytest.mark.skipif(not huge_pages.available(),
                                reason=f"transparent huge pages are {huge_pages.thp_mode()}")

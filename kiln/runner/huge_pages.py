@@ -1,4 +1,5 @@
-"""Transparent huge pages for the CPU weights; the KV cache's lazily backed zeros.
+"""Transparent huge pages for the CPU weights (the KV cache stays on 4 KiB pages:
+kiln.runner.kv_alloc.lazy_zeros says why).
 
 A decode step streams every weight once, in ~120 calls of 0.2-1.1 MB each for SmolLM2. On
 4 KiB pages each call starts its streams with TLB misses and page walks that the hardware
@@ -63,36 +64,6 @@ def _advised_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     if whole and available():
         mapping.madvise(mmap.MADV_HUGEPAGE, start, whole)
     return mapping, start
-
-
-def huge_empty(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 CPU tensor of `nbytes` starting on a 2 MiB boundary, on
-    huge pages where the kernel grants them. The tensor keeps its mapping alive."""
-    mapping, start = _advised_mapping(nbytes)
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros that nothing writes, on 4 KiB pages (the KV cache; plain torch.zeros
-    off Linux).
-
-    A fresh anonymous mapping reads as zeros and the kernel backs each page at its first
-    write, so a page no request reaches costs nothing. The cache was on huge pages first,
-    like the weights; but with THP `defrag=madvise` a huge-page fault may compact memory
-    (about 4 ms per 2 MiB on these VMs), and with prefix caching every new prompt takes
-    blocks never used before (the pool keeps freed blocks cached as long as it can): on a
-    2-vCPU Xeon, six distinct 2,000-token prompts one after another took 0.46, 0.44,
-    0.74, 0.89, 1.02, 0.95 s on huge pages and 0.44, 0.43, 0.45, 0.52, 0.71, 0.48 s on
-    4 KiB pages, while decode over 8 x 2,000 cached tokens was the same (2.74-3.07 vs
-    2.77-2.81 s for 64 tokens). So the mapping is advised against huge pages (THP
-    `always` would otherwise fault them in too)."""
-    if not sys.platform.startswith("linux"):
-        return torch.zeros(shape, dtype=dtype)
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    mapping = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        mapping.madvise(mmap.MADV_NOHUGEPAGE)
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=n).view(dtype).view(shape)
 
 
 def _whole_storage(t: torch.Tensor) -> bool:
