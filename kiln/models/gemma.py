@@ -57,11 +57,13 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(cfg)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, delta: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream is h + delta (kiln.models.layers.DecoderLayers)."""
+        h = h + delta
         h = h + self.post_attention_layernorm(
             self.self_attn(positions, self.input_layernorm(h)))
-        return h + self.post_feedforward_layernorm(
-            self.mlp(self.pre_feedforward_layernorm(h)))
+        return h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class ScaledEmbedding(VocabParallelEmbedding):

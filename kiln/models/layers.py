@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from kiln.ops.linear import linear
+from kiln.ops.linear import linear, linear_silu
 from kiln.ops.lora import add_lora
 from kiln.ops.pointwise import rotary_neox, silu_and_mul
 
@@ -50,6 +50,15 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return add_lora(self, self.quant_method.apply(self, x, self.bias), x)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(self(x)) for a [gate | up] projection: one kernel where the layer
+        is the packed bf16 GEMM alone (no bias, no adapter), the same bits either way."""
+        if (self.quant_method is UNQUANTIZED and self.packed_weight is not None
+                and self.bias is None and self.lora_a is None
+                and self.packed_weight.shape[0] % 2 == 0):
+            return linear_silu(x, self.weight, self.packed_weight, self.dense_from)
+        return silu_and_mul(self(x))
 
 
 class RMSNorm(nn.Module):
@@ -129,12 +138,20 @@ class SiluAndMul(nn.Module):
 # differs (a MoE layer among dense ones, another rope type) is traced again as its own
 # region; the bound is high enough that this never fails, it only compiles more.
 @torch.compiler.nested_compile_region(max_reuse_entries=1024)
-def _layer_region(layer: nn.Module, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return layer(positions, h)
+def _layer_region(layer: nn.Module, positions: torch.Tensor, h: torch.Tensor,
+                  delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer(positions, h, delta)
 
 
 class DecoderLayers(nn.ModuleList):
     """The decoder stack, `forward(positions, h) -> h`.
+
+    A layer is `forward(positions, h, delta) -> (h, delta)`: the residual stream is
+    h + delta, and a layer returns its last branch (the MLP's output) as the next delta
+    instead of adding it itself, so the add fuses into the next layer's first norm (one
+    kernel, not two: a layer is a compile region, which a fusion cannot cross). The first
+    layer gets a zero delta; the stack's end adds the last one. The same adds in the same
+    order as `h = h + mlp(...)`: the numbers do not change.
 
     `regional` (set by the compiler before tracing; a no-op in eager mode) makes each
     layer's call a nested compile region. It is only set where the graph is not split at
@@ -144,9 +161,11 @@ class DecoderLayers(nn.ModuleList):
     regional = False
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        delta = torch.zeros_like(h)
         for layer in self:
-            h = _layer_region(layer, positions, h) if self.regional else layer(positions, h)
-        return h
+            h, delta = (_layer_region(layer, positions, h, delta) if self.regional
+                        else layer(positions, h, delta))
+        return h + delta
 
 
 def set_regions(model: nn.Module, on: bool) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from kiln.attention.layer import Attention
 from kiln.distributed.parallel_state import tp_size
 from kiln.distributed.pipeline import pipeline_stage
-from kiln.models.layers import DecoderLayers, RMSNorm, RotaryEmbedding, SiluAndMul
+from kiln.models.layers import DecoderLayers, RMSNorm, RotaryEmbedding
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
 from kiln.models.model_config import ModelConfig
 from kiln.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -78,10 +78,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear.even(cfg.hidden_size,
                                                       {"gate": inter, "up": inter}, False)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,16 +97,19 @@ class LlamaDecoderLayer(nn.Module):
         else:
             self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, delta: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream is h + delta (kiln.models.layers.DecoderLayers)."""
+        h = h + delta
         h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h, self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
     """Embedding, this pipeline stage's decoder layers, final norm. Under pipeline
     parallelism only the first stage embeds and only the last normalises; a later stage
     starts from the previous stage's hidden states in `pp_in`, which the runner fills each
-    step (the residual stream is that one tensor: each layer adds to its input)."""
+    step (the residual stream is that one tensor: the stack adds its last delta)."""
 
     embed_cls: type[nn.Module] = VocabParallelEmbedding
     layer_cls: type[nn.Module] = LlamaDecoderLayer
