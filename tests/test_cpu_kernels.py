@@ -18,9 +18,10 @@ from kiln.attention.backend import AttentionLayerSpec
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.selector import select_backend
+from kiln.models.layers import Linear
 from kiln.models.packing import pack_linears
 from kiln.ops import cpu_kernels, cpu_paths
-from kiln.ops.linear import linear, pack
+from kiln.ops.linear import linear, linear_silu, pack
 from kiln.platforms.cpu import host_isa, isa_class
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_loaded")
@@ -61,6 +62,27 @@ def test_linear_packed_matches_fp32_reference(m, n, k, amx):
         # bf16 output rounding (2^-8 relative) plus fp32 summation-order noise
         err = (got.float() - ref).abs().max() / ref.abs().max()
         assert err < 1e-2, f"relative error {err}"
+
+
+@pytest.mark.parametrize("m", [1, 17, 70, 300])  # 17, 70: a partial second row tile
+@pytest.mark.parametrize("inter,k", [(48, 96), (1536, 576)])  # 48: three blocks a half
+def test_fused_gate_up_activation_is_the_same_bits_as_two_steps(m, inter, k, amx):
+    """linear_silu (SwiGLU's activation in the GEMM's epilogue on tiles) equals the packed
+    linear followed by silu_and_mul exactly, and a Linear's silu_and_mul takes it only
+    where the layer is the packed GEMM alone."""
+    g = torch.Generator().manual_seed(m * 7 + inter + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(2 * inter, k, generator=g).to(torch.bfloat16)
+    want = torch.ops.kiln_cpu.silu_and_mul(linear(x, w, None, pack(w)))
+    got = linear_silu(x.view(1, m, k), w, pack(w)).view(m, inter)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    layer = Linear(k, 2 * inter, bias=False).to(torch.bfloat16)
+    layer.weight.data.copy_(w)
+    with torch.no_grad():  # unpacked: F.linear, then the activation
+        assert torch.equal(layer.silu_and_mul(x),
+                           torch.ops.kiln_cpu.silu_and_mul(F.linear(x, w)))
+        layer.packed_weight = pack(w)
+        assert torch.equal(layer.silu_and_mul(x), want)
 
 
 def test_linear_tiles_run_from_the_amx_threshold():

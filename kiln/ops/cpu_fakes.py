@@ -13,6 +13,8 @@ import torch
 SCHEMAS = (
     ("linear_packed(Tensor x, Tensor wp, Tensor? bias, Tensor? dense=None, "
      "int dense_from=0) -> Tensor"),
+    ("linear_packed_silu(Tensor x, Tensor wp, Tensor? dense=None, int dense_from=0) "
+     "-> Tensor"),
     ("linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, "
      "int fmt, int panel_from) -> Tensor"),
     ("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scaling, "
@@ -51,6 +53,12 @@ def _register_fakes() -> None:
                             dense: torch.Tensor | None = None,
                             dense_from: int = 0) -> torch.Tensor:
         return x.new_empty((x.shape[0], wp.shape[0] * 16))
+
+    @torch.library.register_fake("kiln_cpu::linear_packed_silu")
+    def _linear_packed_silu_fake(x: torch.Tensor, wp: torch.Tensor,
+                                 dense: torch.Tensor | None = None,
+                                 dense_from: int = 0) -> torch.Tensor:
+        return x.new_empty((x.shape[0], wp.shape[0] * 8))
 
     @torch.library.register_fake("kiln_cpu::linear_quant")
     def _linear_quant_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,

@@ -41,6 +41,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*lead, out.shape[-1])
 
 
+def linear_silu(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
+                dense_from: int = 0) -> torch.Tensor:
+    """silu(g) * u of x @ [gate | up].T over the packed weight, the activation in the
+    GEMM's epilogue where tiles run (csrc/linear_bf16_amx.h): the same bits as `linear`
+    followed by kiln.ops.pointwise.silu_and_mul."""
+    lead = x.shape[:-1]
+    out = torch.ops.kiln_cpu.linear_packed_silu(x.reshape(-1, x.shape[-1]), packed,
+                                                weight if dense_from else None, dense_from)
+    return out.view(*lead, out.shape[-1])
+
+
 def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, bias: torch.Tensor | None, fmt: int,
                  panel_from: int = 0) -> torch.Tensor:

@@ -213,111 +213,10 @@ void panel_gemm(const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
 }
 #endif
 
-#ifdef __AMX_TILE__
-// One 32-row x 2-block tile's place in y, and its fp32 results (the accumulator tiles).
-struct AmxBlock {
-  int64_t m0 = 0, rows0 = 0, rows1 = 0, nb = 0;
-  bool pair = false;
-  alignas(64) float c[4][16][16];
-};
-
-// y for block `t`: bias added, rounded to bf16. Row by row, both blocks of a row together:
-// one whole cache line of y when `pair`. Block by block, at a row stride that is a multiple
-// of 2 KiB (gate_up's 3,072 columns: 6 KiB) the rows shared two L1 sets, and a line written
-// half was evicted before its other half.
-void amx_epilogue(const AmxBlock& t, const c10::BFloat16* bias, c10::BFloat16* y, int64_t N) {
-  const int64_t rows[2] = {t.rows0, t.rows1};
-  const int nbs = t.pair ? 2 : 1;
-  const __m512 bv[2] = {bias16(bias, t.nb * 16),
-                        t.pair ? bias16(bias, t.nb * 16 + 16) : kiln_isa::zero()};
-  for (int a = 0; a < 2; ++a)
-    for (int64_t i = 0; i < rows[a]; ++i)
-      for (int b = 0; b < nbs; ++b)
-        store_bf16(y + (t.m0 + a * 16 + i) * N + (t.nb + b) * 16,
-                   kiln_isa::add(_mm512_load_ps(t.c[a * 2 + b][i]), bv[b]));
-}
-
-// A thread's tiles in order, software-pipelined: block i's tile products are issued, then
-// block i - 1's epilogue runs (vector work the core does while the tile unit computes),
-// then block i's accumulators are stored. Done in order (store, epilogue, next block), the
-// core waited on every block's last products before its epilogue and the tiles idled
-// through it, a large share at K = 576 (18 chunks a block). With the prefetch change in
-// amx_gemm, SmolLM2's four shapes on a 2-vCPU Xeon (amx, benchmarks/linear_ab.py):
-// 1.02-1.40x at 2-2,000 rows, now at or ahead of oneDNN's bf16 GEMM at every count.
-class AmxPipeline {
- public:
-  AmxPipeline(const c10::BFloat16* bias, c10::BFloat16* y, int64_t N)
-      : bias_(bias), y_(y), N_(N) {}
-
-  // Block (m0, nb) has been computed into the accumulator tiles: run the previous block's
-  // epilogue, then store this one's results.
-  void finish(int64_t m0, int64_t rows0, int64_t rows1, int64_t nb, bool pair) {
-    AmxBlock& cur = blocks_[next_];
-    if (pending_) amx_epilogue(blocks_[next_ ^ 1], bias_, y_, N_);
-    cur.m0 = m0, cur.rows0 = rows0, cur.rows1 = rows1, cur.nb = nb, cur.pair = pair;
-    kiln_amx::store_tiles(cur.c);
-    pending_ = true;
-    next_ ^= 1;
-  }
-
-  // The last block's epilogue; before the tiles are reconfigured or released.
-  void flush() {
-    if (pending_) amx_epilogue(blocks_[next_ ^ 1], bias_, y_, N_);
-    pending_ = false;
-  }
-
- private:
-  const c10::BFloat16* bias_;
-  c10::BFloat16* y_;
-  int64_t N_;
-  AmxBlock blocks_[2];
-  int next_ = 0;
-  bool pending_ = false;
-};
-
-// Blocking of a thread's share (its column pairs) at prefill sizes: passes of rows whose
-// x fits kPanelXBytes (L2), and within a pass groups of kAmxPairGroup pairs (8 x 2 x
-// K/32 KiB of weights: 288 KiB at K = 576, L2), each group's tiles row block by row block.
-// So the weights are read from L3 once per pass (not once per 32 rows), and consecutive
-// tiles write the same 32 rows of y, whose pages stay in the TLB (at 3,072 columns a row
-// is 6 KiB, and a pair-by-pair order touched a new page per row per tile). 2,000 rows x
-// 576 deep, 2 threads, Xeon (amx): 3,072 columns 1.5 -> 2.0 TFLOP/s, 4,096 1.4 -> 1.85,
-// 576 2.0 -> 2.1; oneDNN 2.2-2.7. Only a pass's first row block prefetches the weights
-// (from L3); the later ones find them in L2 (gemm_tile_run).
-constexpr int64_t kAmxPairGroup = 8;
-
-void amx_gemm(const uint16_t* x, const uint16_t* wp, const c10::BFloat16* bias,
-              c10::BFloat16* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t blocks = N / 16, pairs = (blocks + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    kiln_amx::GemmRows rb;
-    AmxPipeline pipe(bias, y, N);
-    const int64_t chunks = K / 32;
-    const int64_t pass_rows = std::max<int64_t>(32, kPanelXBytes / (K * 2) / 32 * 32);
-    for (int64_t pass = 0; pass < M; pass += pass_rows) {
-      const int64_t pass_end = std::min(M, pass + pass_rows);
-      for (int64_t g = begin; g < end; g += kAmxPairGroup) {
-        const int64_t g_end = std::min(end, g + kAmxPairGroup);
-        for (int64_t m0 = pass; m0 < pass_end; m0 += 32) {
-          rb.next(M - m0);  // may reconfigure: the pending block is already stored
-          const uint16_t* x0 = x + m0 * K;
-          for (int64_t p = g; p < g_end; ++p) {
-            const uint16_t* w0 = wp + 2 * p * chunks * 512;
-            const bool pair = 2 * p + 1 < blocks;
-            kiln_amx::gemm_tile_run(x0, x0 + 16 * K, K * 2, w0, w0 + chunks * 512,
-                                    rb.rows1 > 0, pair, chunks, m0 == pass ? kAhead : 0);
-            pipe.finish(m0, rb.rows0, rb.rows1, 2 * p, pair);
-          }
-        }
-      }
-    }
-    pipe.flush();
-    _tile_release();
-  });
-}
-#endif
 
 }  // namespace
+
+#include "linear_bf16_amx.h"
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
                          const c10::optional<at::Tensor>& bias,
@@ -342,7 +241,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
   auto* yp = y.data_ptr<c10::BFloat16>();
 #ifdef __AMX_TILE__
   if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows) {
-    amx_gemm(xp, wptr, bp, yp, M, K, N);
+    amx_gemm<false>(xp, wptr, M, K, N, BiasEpilogue{bp, yp, N});
     return y;
   }
 #endif
@@ -361,6 +260,35 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
 #endif
   tile_gemm(xp, xf.get(), wptr, bp, yp, M, K, N);
   return y;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x);  // pointwise.cpp
+
+// silu_and_mul(linear_packed(x, wp)) for SwiGLU's gate_up projection (w = [gate | up], no
+// bias), the same bits. On tiles the activation runs in the GEMM's epilogue
+// (linear_bf16_amx.h): at 2,000 tokens of SmolLM2 the separate op spent 0.75 ms a layer
+// reading back the [M, 2I] product the GEMM had just written. Elsewhere (decode sizes, the
+// register kernels, oneDNN's rows) the two steps run one after the other.
+at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& wp,
+                              const c10::optional<at::Tensor>& dense, int64_t dense_from) {
+  TORCH_CHECK(wp.dim() == 4 && wp.size(0) % 2 == 0,
+              "linear_packed_silu: a packed [gate | up] weight of an even block count");
+#ifdef __AMX_TILE__
+  const int64_t M = x.size(0), K = wp.size(1) * 32, N = wp.size(0) * 16;
+  const bool dense_rows = dense.has_value() && dense->defined() && dense->numel() > 0 &&
+                          dense_from > 0 && M >= dense_from;
+  if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows && !dense_rows &&
+      x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K &&
+      wp.scalar_type() == at::kBFloat16 && wp.is_contiguous()) {
+    auto y = at::empty({M, N / 2}, x.options());
+    const auto xc = x.contiguous();
+    amx_gemm<true>(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
+                   reinterpret_cast<const uint16_t*>(wp.data_ptr()), M, K, N,
+                   SiluEpilogue{y.data_ptr<c10::BFloat16>(), N / 2});
+    return y;
+  }
+#endif
+  return silu_and_mul(linear_packed(x, wp, c10::nullopt, dense, dense_from));
 }
 
 // Python enables AMX for the process first (torch.cpu._init_amx: the kernel must grant
@@ -394,4 +322,5 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear_packed", &linear_packed);
+  m.impl("linear_packed_silu", &linear_packed_silu);
 }

@@ -25,12 +25,7 @@ namespace {
 namespace isa = kiln_isa;
 using isa::V16;
 
-// silu(g) * u = g * u / (1 + e^-g), e^-g = 2^(-g log2 e): saturated at 2^127 for g below
-// -88 (the result 0 in bf16), 0 above +88 (the sigmoid 1).
-inline V16 silu_mul(V16 g, V16 u) {
-  const V16 e = isa::exp2(isa::mul(g, isa::set1(-1.44269504f)));
-  return isa::div(isa::mul(g, u), isa::add(isa::set1(1.f), e));
-}
+using isa::silu_mul;
 
 void silu_mul_row(const c10::BFloat16* x, c10::BFloat16* out, int64_t I) {
   int64_t j = 0;

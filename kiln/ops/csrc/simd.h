@@ -67,6 +67,15 @@ inline constexpr float kExp2Degree3[] = {5.5171669e-2f, 2.4261114e-1f, 6.9326097
                                          9.9992806e-1f};
 inline V16 exp2_bf16(V16 t) { return exp2_poly(t, kExp2Degree3); }
 
+// SwiGLU's activation, silu(g) * u = g * u / (1 + e^-g), e^-g = 2^(-g log2 e): saturated
+// at 2^127 for g below -88 (the result 0 in bf16), 0 above +88 (the sigmoid 1). One
+// definition for the pointwise op and the GEMM that fuses it (linear_bf16.cpp): the two
+// give the same bits.
+inline V16 silu_mul(V16 g, V16 u) {
+  const V16 e = exp2(mul(g, set1(-1.44269504f)));
+  return div(mul(g, u), add(set1(1.f), e));
+}
+
 // Allocator for scratch vectors that tiles and vector loads read whole cache lines of:
 // malloc aligns to 16 bytes, and a buffer 16 bytes off a line makes every 64-byte tile
 // row or vector touch two lines (an AMX tile load of 16 rows, 32 lines).

@@ -1,0 +1,145 @@
+// The packed linear on AMX tiles (linear_bf16.cpp includes this once, after its shared
+// constants: kAhead, kPanelXBytes, bias16). Two outputs from one loop:
+//   * y = x @ w.T + b, each column pair (blocks 2p, 2p + 1) a 2 x 2 tile block;
+//   * y = silu(g) * u of SwiGLU's gate_up projection (w = [gate | up], N = 2I): block j of
+//     the gate and block j of the up projection share a tile block, so the epilogue has
+//     both halves of its 16 output columns, and the [M, 2I] product is never written. Each
+//     half is rounded to bf16 before the activation, where the separate linear rounds its
+//     output: the same bits as linear_packed followed by kiln_cpu::silu_and_mul.
+#pragma once
+#ifdef __AMX_TILE__
+
+namespace {
+
+// One 32-row x 2-block tile's place in y, and its fp32 results (the accumulator tiles).
+struct AmxBlock {
+  int64_t m0 = 0, rows0 = 0, rows1 = 0, nb = 0;
+  bool pair = false;
+  alignas(64) float c[4][16][16];
+};
+
+// y for block `t`: bias added, rounded to bf16. Row by row, both blocks of a row together:
+// one whole cache line of y when `pair`. Block by block, at a row stride that is a multiple
+// of 2 KiB (gate_up's 3,072 columns: 6 KiB) the rows shared two L1 sets, and a line written
+// half was evicted before its other half.
+struct BiasEpilogue {
+  const c10::BFloat16* bias;
+  c10::BFloat16* y;
+  int64_t N;
+
+  void operator()(const AmxBlock& t) const {
+    const int64_t rows[2] = {t.rows0, t.rows1};
+    const int nbs = t.pair ? 2 : 1;
+    const __m512 bv[2] = {bias16(bias, t.nb * 16),
+                          t.pair ? bias16(bias, t.nb * 16 + 16) : kiln_isa::zero()};
+    for (int a = 0; a < 2; ++a)
+      for (int64_t i = 0; i < rows[a]; ++i)
+        for (int b = 0; b < nbs; ++b)
+          store_bf16(y + (t.m0 + a * 16 + i) * N + (t.nb + b) * 16,
+                     kiln_isa::add(_mm512_load_ps(t.c[a * 2 + b][i]), bv[b]));
+  }
+};
+
+// Tile 2a is the gate's block t.nb for row tile a, tile 2a + 1 the up projection's.
+struct SiluEpilogue {
+  c10::BFloat16* y;
+  int64_t I;
+
+  void operator()(const AmxBlock& t) const {
+    const int64_t rows[2] = {t.rows0, t.rows1};
+    for (int a = 0; a < 2; ++a)
+      for (int64_t i = 0; i < rows[a]; ++i)
+        store_bf16(y + (t.m0 + a * 16 + i) * I + t.nb * 16,
+                   kiln_isa::silu_mul(rounded(t.c[a * 2][i]), rounded(t.c[a * 2 + 1][i])));
+  }
+
+  // fp32 -> bf16 -> fp32: the rounding the separate linear's output makes.
+  static V16 rounded(const float* v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(kiln_isa::to_bf16(_mm512_load_ps(v))), 16));
+  }
+};
+
+// A thread's tiles in order, software-pipelined: block i's tile products are issued, then
+// block i - 1's epilogue runs (vector work the core does while the tile unit computes),
+// then block i's accumulators are stored. Done in order (store, epilogue, next block), the
+// core waited on every block's last products before its epilogue and the tiles idled
+// through it, a large share at K = 576 (18 chunks a block). With the prefetch change in
+// amx_gemm, SmolLM2's four shapes on a 2-vCPU Xeon (amx, benchmarks/linear_ab.py):
+// 1.02-1.40x at 2-2,000 rows, now at or ahead of oneDNN's bf16 GEMM at every count.
+template <class Epilogue>
+class AmxPipeline {
+ public:
+  explicit AmxPipeline(Epilogue epilogue) : epilogue_(epilogue) {}
+
+  // Block (m0, nb) has been computed into the accumulator tiles: run the previous block's
+  // epilogue, then store this one's results.
+  void finish(int64_t m0, int64_t rows0, int64_t rows1, int64_t nb, bool pair) {
+    AmxBlock& cur = blocks_[next_];
+    if (pending_) epilogue_(blocks_[next_ ^ 1]);
+    cur.m0 = m0, cur.rows0 = rows0, cur.rows1 = rows1, cur.nb = nb, cur.pair = pair;
+    kiln_amx::store_tiles(cur.c);
+    pending_ = true;
+    next_ ^= 1;
+  }
+
+  // The last block's epilogue; before the tiles are reconfigured or released.
+  void flush() {
+    if (pending_) epilogue_(blocks_[next_ ^ 1]);
+    pending_ = false;
+  }
+
+ private:
+  Epilogue epilogue_;
+  AmxBlock blocks_[2];
+  int next_ = 0;
+  bool pending_ = false;
+};
+
+// Blocking of a thread's share (its column pairs) at prefill sizes: passes of rows whose
+// x fits kPanelXBytes (L2), and within a pass groups of kAmxPairGroup pairs (8 x 2 x
+// K/32 KiB of weights: 288 KiB at K = 576, L2), each group's tiles row block by row block.
+// So the weights are read from L3 once per pass (not once per 32 rows), and consecutive
+// tiles write the same 32 rows of y, whose pages stay in the TLB (at 3,072 columns a row
+// is 6 KiB, and a pair-by-pair order touched a new page per row per tile). 2,000 rows x
+// 576 deep, 2 threads, Xeon (amx): 3,072 columns 1.5 -> 2.0 TFLOP/s, 4,096 1.4 -> 1.85,
+// 576 2.0 -> 2.1; oneDNN 2.2-2.7. Only a pass's first row block prefetches the weights
+// (from L3); the later ones find them in L2 (gemm_tile_run).
+constexpr int64_t kAmxPairGroup = 8;
+
+// kSilu: `pairs` = I / 16 (gate block p with up block p + pairs), else the column pairs.
+template <bool kSilu, class Epilogue>
+void amx_gemm(const uint16_t* x, const uint16_t* wp, int64_t M, int64_t K, int64_t N,
+              Epilogue epilogue) {
+  const int64_t blocks = N / 16, pairs = kSilu ? blocks / 2 : (blocks + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    kiln_amx::GemmRows rb;
+    AmxPipeline<Epilogue> pipe(epilogue);
+    const int64_t chunks = K / 32;
+    const int64_t pass_rows = std::max<int64_t>(32, kPanelXBytes / (K * 2) / 32 * 32);
+    for (int64_t pass = 0; pass < M; pass += pass_rows) {
+      const int64_t pass_end = std::min(M, pass + pass_rows);
+      for (int64_t g = begin; g < end; g += kAmxPairGroup) {
+        const int64_t g_end = std::min(end, g + kAmxPairGroup);
+        for (int64_t m0 = pass; m0 < pass_end; m0 += 32) {
+          rb.next(M - m0);  // may reconfigure: the pending block is already stored
+          const uint16_t* x0 = x + m0 * K;
+          for (int64_t p = g; p < g_end; ++p) {
+            const int64_t b0 = kSilu ? p : 2 * p, b1 = kSilu ? p + pairs : 2 * p + 1;
+            const bool pair = b1 < blocks;
+            kiln_amx::gemm_tile_run(x0, x0 + 16 * K, K * 2, wp + b0 * chunks * 512,
+                                    wp + b1 * chunks * 512, rb.rows1 > 0, pair, chunks,
+                                    m0 == pass ? kAhead : 0);
+            pipe.finish(m0, rb.rows0, rb.rows1, kSilu ? p : b0, pair);
+          }
+        }
+      }
+    }
+    pipe.flush();
+    _tile_release();
+  });
+}
+
+}  // namespace
+
+#endif
