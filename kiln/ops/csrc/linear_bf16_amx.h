@@ -11,13 +11,6 @@
 
 namespace {
 
-// One 32-row x 2-block tile's place in y, and its fp32 results (the accumulator tiles).
-struct AmxBlock {
-  int64_t m0 = 0, rows0 = 0, rows1 = 0, nb = 0;
-  bool pair = false;
-  alignas(64) float c[4][16][16];
-};
-
 // y for block `t`: bias added, rounded to bf16. Row by row, both blocks of a row together:
 // one whole cache line of y when `pair`. Block by block, at a row stride that is a multiple
 // of 2 KiB (gate_up's 3,072 columns: 6 KiB) the rows shared two L1 sets, and a line written
@@ -27,7 +20,7 @@ struct BiasEpilogue {
   c10::BFloat16* y;
   int64_t N;
 
-  void operator()(const AmxBlock& t) const {
+  void operator()(const kiln_amx::AmxBlock& t) const {
     const int64_t rows[2] = {t.rows0, t.rows1};
     const int nbs = t.pair ? 2 : 1;
     const __m512 bv[2] = {bias16(bias, t.nb * 16),
@@ -45,7 +38,7 @@ struct SiluEpilogue {
   c10::BFloat16* y;
   int64_t I;
 
-  void operator()(const AmxBlock& t) const {
+  void operator()(const kiln_amx::AmxBlock& t) const {
     const int64_t rows[2] = {t.rows0, t.rows1};
     for (int a = 0; a < 2; ++a)
       for (int64_t i = 0; i < rows[a]; ++i)
@@ -58,42 +51,6 @@ struct SiluEpilogue {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(kiln_isa::to_bf16(_mm512_load_ps(v))), 16));
   }
-};
-
-// A thread's tiles in order, software-pipelined: block i's tile products are issued, then
-// block i - 1's epilogue runs (vector work the core does while the tile unit computes),
-// then block i's accumulators are stored. Done in order (store, epilogue, next block), the
-// core waited on every block's last products before its epilogue and the tiles idled
-// through it, a large share at K = 576 (18 chunks a block). With the prefetch change in
-// amx_gemm, SmolLM2's four shapes on a 2-vCPU Xeon (amx, benchmarks/linear_ab.py):
-// 1.02-1.40x at 2-2,000 rows, now at or ahead of oneDNN's bf16 GEMM at every count.
-template <class Epilogue>
-class AmxPipeline {
- public:
-  explicit AmxPipeline(Epilogue epilogue) : epilogue_(epilogue) {}
-
-  // Block (m0, nb) has been computed into the accumulator tiles: run the previous block's
-  // epilogue, then store this one's results.
-  void finish(int64_t m0, int64_t rows0, int64_t rows1, int64_t nb, bool pair) {
-    AmxBlock& cur = blocks_[next_];
-    if (pending_) epilogue_(blocks_[next_ ^ 1]);
-    cur.m0 = m0, cur.rows0 = rows0, cur.rows1 = rows1, cur.nb = nb, cur.pair = pair;
-    kiln_amx::store_tiles(cur.c);
-    pending_ = true;
-    next_ ^= 1;
-  }
-
-  // The last block's epilogue; before the tiles are reconfigured or released.
-  void flush() {
-    if (pending_) epilogue_(blocks_[next_ ^ 1]);
-    pending_ = false;
-  }
-
- private:
-  Epilogue epilogue_;
-  AmxBlock blocks_[2];
-  int next_ = 0;
-  bool pending_ = false;
 };
 
 // Blocking of a thread's share (its column pairs) at prefill sizes: passes of rows whose
@@ -114,7 +71,7 @@ void amx_gemm(const uint16_t* x, const uint16_t* wp, int64_t M, int64_t K, int64
   const int64_t blocks = N / 16, pairs = kSilu ? blocks / 2 : (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     kiln_amx::GemmRows rb;
-    AmxPipeline<Epilogue> pipe(epilogue);
+    kiln_amx::AmxPipeline<Epilogue> pipe(epilogue);
     const int64_t chunks = K / 32;
     const int64_t pass_rows = std::max<int64_t>(32, kPanelXBytes / (K * 2) / 32 * 32);
     for (int64_t pass = 0; pass < M; pass += pass_rows) {

@@ -101,29 +101,27 @@ constexpr const Bf16TileFn* kBf16Tiles[kCodeBlocks] = {kBf16Row<F, 1>, kBf16Row<
 
 #ifdef __AMX_TILE__
 // With AMX the converted blocks, already in the B tiles' layout, run on tiles: up to 32
-// rows from m0 (rows0 + rows1) against converted blocks j and j + 1 (when `two`) of the
-// column blocks from nb. On a 2-vCPU Sapphire Rapids class Xeon the register tiles above
-// ran a 2,000-row prefill's Q4 linears at about a fifth of the tiles' rate.
+// rows against converted blocks j and j + 1 of a thread's column blocks, in
+// kiln_amx::AmxPipeline's order (each block's epilogue runs while the next block's tiles
+// compute). On a 2-vCPU Sapphire Rapids class Xeon the register tiles above ran a
+// 2,000-row prefill's Q4 linears at about a fifth of the tiles' rate.
 template <int F>
-void amx_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels, int64_t m0,
-              int64_t rows0, int64_t rows1, int64_t nb, int j, bool two) {
-  const int64_t chunks = a.K / 32, xs = a.K * 2;
-  const uint16_t* x0 = x + m0 * a.K;
-  const uint16_t* x1 = x0 + 16 * a.K;
-  alignas(64) float c[4][16][16];
-  kiln_amx::gemm_tile(x0, x1, xs, panels[j], two ? panels[j + 1] : panels[j], rows1 > 0, two,
-                      chunks, 0, c);
-  const int64_t rows[2] = {rows0, rows1};
-  for (int h = 0; h < 2; ++h)
-    for (int b = 0; b < (two ? 2 : 1); ++b) {
-      const int64_t col = (nb + j + b) * 16;
-      for (int64_t i = 0; i < rows[h]; ++i) {
-        V16 v = kiln_isa::loadu(c[h * 2 + b][i]);
-        if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a.scale32 + col));
-        store_out(a, m0 + h * 16 + i, col, finish(a, v, col));
+struct QuantEpilogue {
+  const QArgs* a;
+
+  void operator()(const kiln_amx::AmxBlock& t) const {
+    const int64_t rows[2] = {t.rows0, t.rows1};
+    for (int h = 0; h < 2; ++h)
+      for (int b = 0; b < (t.pair ? 2 : 1); ++b) {
+        const int64_t col = (t.nb + b) * 16;
+        for (int64_t i = 0; i < rows[h]; ++i) {
+          V16 v = kiln_isa::loadu(t.c[h * 2 + b][i]);
+          if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a->scale32 + col));
+          store_out(*a, t.m0 + h * 16 + i, col, finish(*a, v, col));
+        }
       }
-    }
-}
+  }
+};
 
 // The x bytes one pass of converted blocks serves. Each pass converts the thread's whole
 // share of the weight again, and on tiles the conversion, not the x reads, bounds a pass:
@@ -140,18 +138,28 @@ void amx_panel_gemm(const QArgs& a, const uint16_t* x) {
     const uint16_t* panels[NB];
     for (int j = 0; j < NB; ++j) panels[j] = buf.get() + j * a.K * 16;
     kiln_amx::GemmRows rb;
+    kiln_amx::AmxPipeline<QuantEpilogue<F>> pipe(QuantEpilogue<F>{&a});
+    const int64_t chunks = a.K / 32;
     for (int64_t mb = 0; mb < a.M; mb += fit) {
       const int64_t me = std::min(a.M, mb + fit);
       for (int64_t nb = begin; nb < end; nb += NB) {
         const int64_t nr = std::min<int64_t>(NB, end - nb);
+        // The pending block reads its accumulators' copy, not the panels: they may change.
         for (int j = 0; j < nr; ++j) weights_to_bf16<F>(a, nb + j, buf.get() + j * a.K * 16);
         for (int64_t m = mb; m < me; m += 32) {
-          rb.next(me - m);
-          for (int j = 0; j < nr; j += 2)
-            amx_tile<F>(a, x, panels, m, rb.rows0, rb.rows1, nb, j, j + 1 < nr);
+          rb.next(me - m);  // may reconfigure: the pending block is already stored
+          const uint16_t* x0 = x + m * a.K;
+          for (int j = 0; j < nr; j += 2) {
+            const bool two = j + 1 < nr;
+            kiln_amx::gemm_tile_run(x0, x0 + 16 * a.K, a.K * 2, panels[j],
+                                    two ? panels[j + 1] : panels[j], rb.rows1 > 0, two,
+                                    chunks, 0);
+            pipe.finish(m, rb.rows0, rb.rows1, nb + j, two);
+          }
         }
       }
     }
+    pipe.flush();
     _tile_release();
   });
 }
