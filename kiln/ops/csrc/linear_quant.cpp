@@ -202,7 +202,6 @@ void panel_gemm(const QArgs& a) {
 template <int F>
 void run(const QArgs& a, bool panel, const at::Tensor& x) {
   if (x.scalar_type() == at::kBFloat16) {
-    if (panel && bf16_panel(a, reinterpret_cast<const uint16_t*>(x.data_ptr()), F)) return;
     if (!panel && F == kQ4 && q4_x8_gemm(a)) return;
     if (!panel && F == kQ8 && q8_x8_gemm(a)) return;
   }
@@ -238,9 +237,26 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
               "linear_quant: Q4 needs fp16 mins [N/16, K/32, 16]");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
+  const auto xc = x.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  QArgs a{nullptr,
+          nullptr,
+          codes.data_ptr(),
+          fmt == kInt8 ? scales.data_ptr<float>() : nullptr,
+          fmt == kInt8 ? nullptr : reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+          fmt == kQ4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
+          b.defined() ? b.data_ptr<float>() : nullptr,
+          y.data_ptr(), x.scalar_type() == at::kBFloat16, M, K, N};
+  const bool panel = panel_from > 0 && M >= panel_from;
+  // The native-bf16 panel reads bf16 x as it is: neither the fp32 copy nor the Q4 chunk
+  // sums below (single-threaded, 26 MB written per SmolLM2 layer at 2,000 rows) are
+  // made for it.
+  if (panel && x.scalar_type() == at::kBFloat16 &&
+      bf16_panel(a, reinterpret_cast<const uint16_t*>(xc.data_ptr()), fmt))
+    return y;
   // x widened and the Q4 chunk sums taken here, not through ATen ops: at decode sizes
   // their dispatch cost more than the loops (measured 0.2 ms per SmolLM2 step).
-  const auto xc = x.contiguous();
   std::unique_ptr<float[]> xwide, xsum;
   const float* xf = nullptr;
   if (x.scalar_type() == at::kFloat) {
@@ -257,17 +273,8 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
       xsum[i] = kiln_isa::reduce_add(kiln_isa::add(kiln_isa::loadu(xf + i * 32),
                                                    kiln_isa::loadu(xf + i * 32 + 16)));
   }
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
-  QArgs a{xf,
-          xsum.get(),
-          codes.data_ptr(),
-          fmt == kInt8 ? scales.data_ptr<float>() : nullptr,
-          fmt == kInt8 ? nullptr : reinterpret_cast<const uint16_t*>(scales.data_ptr()),
-          fmt == kQ4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
-          b.defined() ? b.data_ptr<float>() : nullptr,
-          y.data_ptr(), x.scalar_type() == at::kBFloat16, M, K, N};
-  const bool panel = panel_from > 0 && M >= panel_from;
+  a.xf = xf;
+  a.xsum = xsum.get();
   switch (fmt) {
     case kInt8: run<kInt8>(a, panel, xc); break;
     case kQ8: run<kQ8>(a, panel, xc); break;
