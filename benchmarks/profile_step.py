@@ -4,7 +4,8 @@ Runs the default model (CLI defaults unless flags say otherwise), warms up, then
 `--steps` decode steps (or, with `--prefill N`, the prefill step of one N-token prompt,
 best of `--steps`) with torch.profiler and prints milliseconds per step by category:
 
-  linear     weight matmuls (kiln's packed kernel, aten mm/addmm/linear, oneDNN), with
+  linear     weight matmuls (kiln's packed kernel, aten mm/addmm/linear, oneDNN; a gate_up
+             GEMM with its SiLU fused counts here whole), with
              whatever runs inside them (a per-call weight copy shows here, and by name
              on the "inside linear" line)
   attention  the attention op, including what runs inside it
@@ -27,7 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 # Total time (children included: a weight copy inside a linear counts as linear) of the
 # outermost call of each of these; a call nested in another one of its group is not counted
 # again.
-TOTAL_OPS = {"linear": ("kiln_cpu::linear_packed", "kiln_cpu::linear_quant", "aten::linear", "aten::matmul", "aten::mm",
+TOTAL_OPS = {"linear": ("kiln_cpu::linear_packed", "kiln_cpu::linear_quant",
+                        "kiln_cpu::linear_packed_silu", "kiln_cpu::linear_quant_silu",
+                        "aten::linear", "aten::matmul", "aten::mm",
                         "aten::addmm", "mkldnn::_linear_pointwise"),
              "attention": ("kiln::unified_attention", "kiln_cpu::unified_attention"),
              "pointwise": ("kiln_cpu::silu_and_mul", "kiln_cpu::rotary_embedding"),

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from conftest import random_prompts
 from kiln.compiler.counter import compilation_counter
 from kiln.ops import cpu_kernels
-from kiln.ops.linear import linear_quant
+from kiln.ops.linear import linear_quant, linear_quant_silu
 from kiln.ops.quant_packing import (FP8, INT8, Q4, Q8, dequantize, int8_activations, pack_q4,
                                     pack_q4_bytes, pack_q8, quantize_fp8, quantize_int8,
                                     quantize_int8_groups, unpack_codes)
@@ -69,6 +69,22 @@ def test_kernel_matches_dequantize_then_matmul(n, k):
                     # fp32: summation order only; bf16: the output's rounding
                     assert err < (2e-6 if dtype == torch.float32 else 1e-2), \
                         (fmt, m, dtype, panel_from, err)
+
+
+@pytest.mark.usefixtures("cpu_kernels_loaded")
+@pytest.mark.parametrize("inter,k", [(48, 96), (1536, 576)])  # 48: three gate blocks
+def test_fused_gate_up_activation_is_the_same_bits_as_two_steps(inter, k):
+    """linear_quant_silu (the activation in the AMX panel's epilogue where tiles run; the
+    two steps elsewhere) equals linear_quant followed by silu_and_mul exactly, for every
+    format, on both kernels and at partial row tiles."""
+    g = torch.Generator().manual_seed(inter + k)
+    for fmt, w in _random_weights(2 * inter, k, g).items():
+        for m, panel_from in itertools.product((1, 17, 70, 300), (0, 1)):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            want = torch.ops.kiln_cpu.silu_and_mul(
+                linear_quant(x, w.codes, w.scales, w.mins, None, fmt, panel_from))
+            got = linear_quant_silu(x, w.codes, w.scales, w.mins, fmt, panel_from)
+            assert torch.equal(got, want), (fmt, m, panel_from)
 
 
 def test_prefill_rows_keep_exact_activations_where_the_direct_kernel_quantizes_them():

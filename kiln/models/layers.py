@@ -21,6 +21,14 @@ class LinearMethod:
               ) -> torch.Tensor:
         return linear(x, layer.weight, bias, layer.packed_weight, layer.dense_from)
 
+    def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul of the GEMM without bias; over a packed weight one kernel
+        (kiln.ops.linear.linear_silu)."""
+        wp = layer.packed_weight
+        if wp is not None and wp.shape[0] % 2 == 0:
+            return linear_silu(x, layer.weight, wp, layer.dense_from)
+        return silu_and_mul(self.apply(layer, x, None))
+
 
 # Every Linear's method until quantization installs another (kiln.quantization.methods).
 UNQUANTIZED = LinearMethod()
@@ -52,12 +60,10 @@ class Linear(nn.Linear):
         return add_lora(self, self.quant_method.apply(self, x, self.bias), x)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu_and_mul(self(x)) for a [gate | up] projection: one kernel where the layer
-        is the packed bf16 GEMM alone (no bias, no adapter), the same bits either way."""
-        if (self.quant_method is UNQUANTIZED and self.packed_weight is not None
-                and self.bias is None and self.lora_a is None
-                and self.packed_weight.shape[0] % 2 == 0):
-            return linear_silu(x, self.weight, self.packed_weight, self.dense_from)
+        """silu_and_mul(self(x)) for a [gate | up] projection: the method's fused kernel
+        where the layer is its GEMM alone (no bias, no adapter), the same bits either way."""
+        if self.bias is None and self.lora_a is None:
+            return self.quant_method.silu_and_mul(self, x)
         return silu_and_mul(self(x))
 
 

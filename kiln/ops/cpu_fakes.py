@@ -17,6 +17,8 @@ SCHEMAS = (
      "-> Tensor"),
     ("linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, "
      "int fmt, int panel_from) -> Tensor"),
+    ("linear_quant_silu(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int fmt, "
+     "int panel_from) -> Tensor"),
     ("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scaling, "
      "Tensor indices) -> ()"),
     "apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()",
@@ -65,6 +67,12 @@ def _register_fakes() -> None:
                            mins: torch.Tensor | None, bias: torch.Tensor | None, fmt: int,
                            panel_from: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], codes.shape[0] * 16))
+
+    @torch.library.register_fake("kiln_cpu::linear_quant_silu")
+    def _linear_quant_silu_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                                mins: torch.Tensor | None, fmt: int,
+                                panel_from: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], codes.shape[0] * 8))
 
     @torch.library.register_fake("kiln_cpu::lora_add_")
     def _lora_add_fake(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.ops import cpu_kernels
+from kiln.ops.pointwise import kernel_applies, silu_and_mul
 from kiln.ops.quant_packing import FP8, QuantWeight, dequantize
 
 
@@ -69,6 +70,20 @@ def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     else:
         w = dequantize(QuantWeight(fmt, codes, scales, mins), x.dtype)
         out = F.linear(x2, w, None if bias is None else bias.to(x.dtype))
+    return out.view(*lead, out.shape[-1])
+
+
+def linear_quant_silu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      mins: torch.Tensor | None, fmt: int, panel_from: int = 0
+                      ) -> torch.Tensor:
+    """silu(g) * u of x @ dequant([gate | up]).T: the activation in the AMX GEMM's
+    epilogue where it runs (csrc/linear_quant_bf16.cpp), the same bits as `linear_quant`
+    followed by kiln.ops.pointwise.silu_and_mul everywhere."""
+    if not (kernel_applies(x) and fmt != FP8 and codes.shape[0] % 2 == 0):
+        return silu_and_mul(linear_quant(x, codes, scales, mins, None, fmt, panel_from))
+    lead = x.shape[:-1]
+    out = torch.ops.kiln_cpu.linear_quant_silu(x.reshape(-1, x.shape[-1]), codes, scales,
+                                               mins, fmt, panel_from)
     return out.view(*lead, out.shape[-1])
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kiln.models.layers import LinearMethod
-from kiln.ops.linear import linear_quant
+from kiln.ops.linear import linear_quant, linear_quant_silu
 from kiln.ops.quant_packing import FORMAT_NAMES, QuantWeight
 
 
@@ -31,6 +31,10 @@ class QuantizedLinearMethod(LinearMethod):
               ) -> torch.Tensor:
         return linear_quant(x, layer.qcodes, layer.qscales, layer.qmins, bias, layer.qfmt,
                             layer.panel_from)
+
+    def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return linear_quant_silu(x, layer.qcodes, layer.qscales, layer.qmins, layer.qfmt,
+                                 layer.panel_from)
 
 
 def install(layer: nn.Module, weight: QuantWeight, method: QuantizedLinearMethod,

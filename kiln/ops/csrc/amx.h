@@ -124,11 +124,11 @@ inline void store_tiles(float (*c)[16][16]) {
   _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
 }
 
-inline void gemm_tile(const uint16_t* x0, const uint16_t* x1, int64_t xs, const uint16_t* w0,
-                      const uint16_t* w1, bool second, bool pair, int64_t chunks,
-                      int64_t ahead, float (*c)[16][16]) {
-  gemm_tile_run(x0, x1, xs, w0, w1, second, pair, chunks, ahead);
-  store_tiles(c);
+// fp32 -> bf16 -> fp32, to nearest even: the rounding a separate op's bf16 output makes
+// (the GEMMs' fused SwiGLU epilogues round each half first).
+inline __m512 round_bf16(__m512 v) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // One 32-row x 2-block tile's place in y, and its fp32 results (the accumulator tiles).

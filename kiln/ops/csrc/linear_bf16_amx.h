@@ -43,13 +43,8 @@ struct SiluEpilogue {
     for (int a = 0; a < 2; ++a)
       for (int64_t i = 0; i < rows[a]; ++i)
         store_bf16(y + (t.m0 + a * 16 + i) * I + t.nb * 16,
-                   kiln_isa::silu_mul(rounded(t.c[a * 2][i]), rounded(t.c[a * 2 + 1][i])));
-  }
-
-  // fp32 -> bf16 -> fp32: the rounding the separate linear's output makes.
-  static V16 rounded(const float* v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(kiln_isa::to_bf16(_mm512_load_ps(v))), 16));
+                   kiln_isa::silu_mul(kiln_amx::round_bf16(_mm512_load_ps(t.c[a * 2][i])),
+                                      kiln_amx::round_bf16(_mm512_load_ps(t.c[a * 2 + 1][i]))));
   }
 };
 

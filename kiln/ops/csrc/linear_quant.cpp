@@ -211,10 +211,10 @@ void run(const QArgs& a, bool panel, const at::Tensor& x) {
 
 }  // namespace
 
-at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins,
-                        const c10::optional<at::Tensor>& bias, int64_t fmt,
-                        int64_t panel_from) {
+namespace {
+
+void check_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                const c10::optional<at::Tensor>& mins, int64_t fmt) {
   TORCH_CHECK(fmt == kInt8 || fmt == kQ8 || fmt == kQ4, "linear_quant: unknown format ", fmt);
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "linear_quant: x must be fp32 or bf16 [M, K]");
@@ -222,7 +222,7 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == chunk_bytes && codes.is_contiguous() &&
                   codes.element_size() == 1,
               "linear_quant: codes must be [N/16, K/32, ", chunk_bytes, "] bytes");
-  const int64_t N = codes.size(0) * 16, K = codes.size(1) * 32, M = x.size(0);
+  const int64_t N = codes.size(0) * 16, K = codes.size(1) * 32;
   TORCH_CHECK(x.size(1) == K, "linear_quant: x has ", x.size(1), " columns, weight ", K);
   if (fmt == kInt8) {
     TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N &&
@@ -235,19 +235,37 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(fmt != kQ4 || (has_min && mins->scalar_type() == at::kHalf &&
                              mins->numel() == N * K / 32 && mins->is_contiguous()),
               "linear_quant: Q4 needs fp16 mins [N/16, K/32, 16]");
+}
+
+// The weight's pointers, bias and output; x's (xf, xsum) are filled by the caller.
+QArgs weight_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& mins, const at::Tensor& b, at::Tensor& y,
+                  int64_t fmt) {
+  return QArgs{nullptr,
+               nullptr,
+               codes.data_ptr(),
+               fmt == kInt8 ? scales.data_ptr<float>() : nullptr,
+               fmt == kInt8 ? nullptr : reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+               fmt == kQ4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
+               b.defined() ? b.data_ptr<float>() : nullptr,
+               y.data_ptr(), x.scalar_type() == at::kBFloat16,
+               x.size(0), codes.size(1) * 32, codes.size(0) * 16};
+}
+
+}  // namespace
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins,
+                        const c10::optional<at::Tensor>& bias, int64_t fmt,
+                        int64_t panel_from) {
+  check_args(x, codes, scales, mins, fmt);
+  const int64_t N = codes.size(0) * 16, K = codes.size(1) * 32, M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto xc = x.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
-  QArgs a{nullptr,
-          nullptr,
-          codes.data_ptr(),
-          fmt == kInt8 ? scales.data_ptr<float>() : nullptr,
-          fmt == kInt8 ? nullptr : reinterpret_cast<const uint16_t*>(scales.data_ptr()),
-          fmt == kQ4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
-          b.defined() ? b.data_ptr<float>() : nullptr,
-          y.data_ptr(), x.scalar_type() == at::kBFloat16, M, K, N};
+  QArgs a = weight_args(xc, codes, scales, mins, b, y, fmt);
   const bool panel = panel_from > 0 && M >= panel_from;
   // The native-bf16 panel reads bf16 x as it is: neither the fp32 copy nor the Q4 chunk
   // sums below (single-threaded, 26 MB written per SmolLM2 layer at 2,000 rows) are
@@ -283,6 +301,30 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   return y;
 }
 
+at::Tensor silu_and_mul(const at::Tensor& x);  // pointwise.cpp
+
+// silu_and_mul(linear_quant(x, ...)) for SwiGLU's [gate | up] projection (no bias), the
+// same bits: on AMX tiles at panel row counts the activation runs in the GEMM's epilogue
+// (linear_quant_bf16.cpp), elsewhere the two steps run one after the other.
+at::Tensor linear_quant_silu(const at::Tensor& x, const at::Tensor& codes,
+                             const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                             int64_t fmt, int64_t panel_from) {
+  check_args(x, codes, scales, mins, fmt);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_quant_silu: bf16 x");
+  const int64_t M = x.size(0), N = codes.size(0) * 16;
+  if (panel_from > 0 && M >= panel_from && M > 0 &&
+      codes.size(0) % 2 == 0) {
+    auto y = at::empty({M, N / 2}, x.options());
+    const auto xc = x.contiguous();
+    const QArgs a = weight_args(xc, codes, scales, mins, at::Tensor(), y, fmt);
+    if (bf16_panel_silu(a, reinterpret_cast<const uint16_t*>(xc.data_ptr()), fmt,
+                        y.data_ptr<c10::BFloat16>()))
+      return y;
+  }
+  return silu_and_mul(linear_quant(x, codes, scales, mins, c10::nullopt, fmt, panel_from));
+}
+
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear_quant", &linear_quant);
+  m.impl("linear_quant_silu", &linear_quant_silu);
 }

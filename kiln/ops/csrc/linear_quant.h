@@ -94,6 +94,10 @@ constexpr int64_t kPanelXBytes = 256 * 1024;  // the x rows one panel pass reuse
 // where this build has none (no AVX512-BF16): the caller runs the fp32 panel.
 bool bf16_panel(const QArgs& a, const uint16_t* x, int64_t fmt);
 
+// silu(g) * u of a [gate | up] weight (no bias) into y [M, N / 2] on AMX tiles, the
+// activation in the epilogue (linear_quant_bf16.cpp). False where tiles do not run here.
+bool bf16_panel_silu(const QArgs& a, const uint16_t* x, int64_t fmt, c10::BFloat16* y);
+
 // The direct Q4 kernel for bf16 x over int8 activations (linear_quant_x8.cpp, below
 // `panel` row counts): VNNI on AVX512-BF16 builds, maddubs on AVX2 builds. False where
 // this build has none (plain AVX512): the caller runs the exact fp32 direct kernel.

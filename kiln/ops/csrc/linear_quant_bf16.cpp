@@ -123,38 +123,74 @@ struct QuantEpilogue {
   }
 };
 
+// SwiGLU over a [gate | up] weight (no bias; y is [M, I], I = N / 2): tile 2h is the
+// gate's block t.nb for row tile h, tile 2h + 1 the up projection's block t.nb + half.
+// Each half is rounded to bf16 first, as linear_quant's output is: the same bits as
+// linear_quant followed by kiln_cpu::silu_and_mul (linear_bf16_amx.h does the same).
+template <int F>
+struct QuantSiluEpilogue {
+  const QArgs* a;
+  c10::BFloat16* y;
+  int64_t half;
+
+  V16 half_block(const float* c, int64_t col) const {
+    V16 v = kiln_isa::loadu(c);
+    if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a->scale32 + col));
+    return kiln_amx::round_bf16(v);
+  }
+
+  void operator()(const kiln_amx::AmxBlock& t) const {
+    const int64_t rows[2] = {t.rows0, t.rows1}, I = half * 16;
+    for (int h = 0; h < 2; ++h)
+      for (int64_t i = 0; i < rows[h]; ++i)
+        kiln_isa::store_bf16(y + (t.m0 + h * 16 + i) * I + t.nb * 16,
+                             kiln_isa::silu_mul(half_block(t.c[h * 2][i], t.nb * 16),
+                                                half_block(t.c[h * 2 + 1][i],
+                                                           (t.nb + half) * 16)));
+  }
+};
+
 // The x bytes one pass of converted blocks serves. Each pass converts the thread's whole
 // share of the weight again, and on tiles the conversion, not the x reads, bounds a pass:
 // 2-vCPU Xeon (amx), SmolLM2's four shapes, 4 layers, Q4 at 512 / 2,000 rows: 12.1 / 45-49
 // ms with 256 KiB passes, 9.6-10.5 / 41-42 with 1 MiB, 9.7-10.3 / 48-52 with 4 MiB.
 constexpr int64_t kAmxPassXBytes = 4 * kPanelXBytes;
 
-template <int F>
-void amx_panel_gemm(const QArgs& a, const uint16_t* x) {
-  constexpr int64_t NB = kCodeBlocks;
+// kSilu: a thread's units are gate blocks (I / 16 of them), each converted beside its up
+// block into panels 2j and 2j + 1; otherwise its units are column blocks, panel j each.
+template <int F, bool kSilu, class Epilogue>
+void amx_panel_gemm(const QArgs& a, const uint16_t* x, Epilogue epilogue) {
+  constexpr int64_t NB = kCodeBlocks, kGrain = kSilu ? NB / 2 : NB;
+  const int64_t half = a.N / 32, units = kSilu ? half : a.N / 16;
   const int64_t fit = std::max<int64_t>(32, kAmxPassXBytes / (a.K * 2) / 32 * 32);
-  at::parallel_for(0, a.N / 16, NB, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, units, kGrain, [&](int64_t begin, int64_t end) {
     const auto buf = kiln_isa::aligned_buffer<uint16_t>(NB * a.K * 16);
-    const uint16_t* panels[NB];
-    for (int j = 0; j < NB; ++j) panels[j] = buf.get() + j * a.K * 16;
+    const auto panel = [&](int64_t j) { return buf.get() + j * a.K * 16; };
     kiln_amx::GemmRows rb;
-    kiln_amx::AmxPipeline<QuantEpilogue<F>> pipe(QuantEpilogue<F>{&a});
+    kiln_amx::AmxPipeline<Epilogue> pipe(epilogue);
     const int64_t chunks = a.K / 32;
     for (int64_t mb = 0; mb < a.M; mb += fit) {
       const int64_t me = std::min(a.M, mb + fit);
-      for (int64_t nb = begin; nb < end; nb += NB) {
-        const int64_t nr = std::min<int64_t>(NB, end - nb);
+      for (int64_t u = begin; u < end; u += kGrain) {
+        const int64_t nu = std::min<int64_t>(kGrain, end - u);
         // The pending block reads its accumulators' copy, not the panels: they may change.
-        for (int j = 0; j < nr; ++j) weights_to_bf16<F>(a, nb + j, buf.get() + j * a.K * 16);
+        for (int64_t j = 0; j < nu; ++j) {
+          if constexpr (kSilu) {
+            weights_to_bf16<F>(a, u + j, panel(2 * j));
+            weights_to_bf16<F>(a, u + j + half, panel(2 * j + 1));
+          } else {
+            weights_to_bf16<F>(a, u + j, panel(j));
+          }
+        }
+        const int64_t np = kSilu ? 2 * nu : nu;
         for (int64_t m = mb; m < me; m += 32) {
           rb.next(me - m);  // may reconfigure: the pending block is already stored
           const uint16_t* x0 = x + m * a.K;
-          for (int j = 0; j < nr; j += 2) {
-            const bool two = j + 1 < nr;
-            kiln_amx::gemm_tile_run(x0, x0 + 16 * a.K, a.K * 2, panels[j],
-                                    two ? panels[j + 1] : panels[j], rb.rows1 > 0, two,
-                                    chunks, 0);
-            pipe.finish(m, rb.rows0, rb.rows1, nb + j, two);
+          for (int64_t j = 0; j < np; j += 2) {
+            const bool two = j + 1 < np;
+            kiln_amx::gemm_tile_run(x0, x0 + 16 * a.K, a.K * 2, panel(j),
+                                    panel(two ? j + 1 : j), rb.rows1 > 0, two, chunks, 0);
+            pipe.finish(m, rb.rows0, rb.rows1, kSilu ? u + j / 2 : u + j, two);
           }
         }
       }
@@ -169,7 +205,7 @@ template <int F>
 void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
 #ifdef __AMX_TILE__
   if (kiln_amx::state().enabled && a.M >= kiln_amx::state().min_rows) {
-    amx_panel_gemm<F>(a, x);
+    amx_panel_gemm<F, false>(a, x, QuantEpilogue<F>{&a});
     return;
   }
 #endif
@@ -193,7 +229,27 @@ void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
   });
 }
 
+template <int F>
+bool amx_silu(const QArgs& a, const uint16_t* x, c10::BFloat16* y) {
+#ifdef __AMX_TILE__
+  if (kiln_amx::state().enabled && a.M >= kiln_amx::state().min_rows) {
+    amx_panel_gemm<F, true>(a, x, QuantSiluEpilogue<F>{&a, y, a.N / 32});
+    return true;
+  }
+#endif
+  (void)a, (void)x, (void)y;
+  return false;
+}
+
 }  // namespace
+
+bool bf16_panel_silu(const QArgs& a, const uint16_t* x, int64_t fmt, c10::BFloat16* y) {
+  switch (fmt) {
+    case kInt8: return amx_silu<kInt8>(a, x, y);
+    case kQ8: return amx_silu<kQ8>(a, x, y);
+    default: return amx_silu<kQ4>(a, x, y);
+  }
+}
 
 bool bf16_panel(const QArgs& a, const uint16_t* x, int64_t fmt) {
   switch (fmt) {
@@ -204,6 +260,7 @@ bool bf16_panel(const QArgs& a, const uint16_t* x, int64_t fmt) {
 }
 #else
 bool bf16_panel(const QArgs&, const uint16_t*, int64_t) { return false; }
+bool bf16_panel_silu(const QArgs&, const uint16_t*, int64_t, c10::BFloat16*) { return false; }
 #endif
 
 }  // namespace kiln_quant
