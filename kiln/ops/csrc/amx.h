@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "simd.h"
+
 namespace kiln_amx {
 
 struct State {
@@ -124,13 +126,6 @@ inline void store_tiles(float (*c)[16][16]) {
   _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
 }
 
-// fp32 -> bf16 -> fp32, to nearest even: the rounding a separate op's bf16 output makes
-// (the GEMMs' fused SwiGLU epilogues round each half first).
-inline __m512 round_bf16(__m512 v) {
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // One 32-row x 2-block tile's place in y, and its fp32 results (the accumulator tiles).
 struct AmxBlock {
   int64_t m0 = 0, rows0 = 0, rows1 = 0, nb = 0;
@@ -173,6 +168,34 @@ class AmxPipeline {
   AmxBlock blocks_[2];
   int next_ = 0;
   bool pending_ = false;
+};
+
+// SwiGLU over a [gate | up] weight in a GEMM's epilogue (y [M, I], I = 16 * half): tile
+// 2a holds the gate's block t.nb for row tile a, tile 2a + 1 the up projection's block
+// t.nb + half. `scale` (int8 weights: one per column, applied to the products) or null.
+// Each half is rounded to bf16 first, where the separate linear rounds its output, and
+// silu_mul is kiln_cpu::silu_and_mul's: the same bits as the two steps
+// (linear_bf16_amx.h, linear_quant_bf16.cpp).
+struct SiluEpilogue {
+  uint16_t* y;
+  int64_t half;
+  const float* scale = nullptr;
+
+  __m512 rounded(const float* c, int64_t col) const {
+    __m512 v = _mm512_load_ps(c);
+    if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale + col));
+    return kiln_isa::round_bf16(v);
+  }
+
+  void operator()(const AmxBlock& t) const {
+    const int64_t rows[2] = {t.rows0, t.rows1}, I = half * 16;
+    for (int a = 0; a < 2; ++a)
+      for (int64_t i = 0; i < rows[a]; ++i)
+        kiln_isa::store_bf16(y + (t.m0 + a * 16 + i) * I + t.nb * 16,
+                             kiln_isa::silu_mul(rounded(t.c[a * 2][i], t.nb * 16),
+                                                rounded(t.c[a * 2 + 1][i],
+                                                        (t.nb + half) * 16)));
+  }
 };
 
 }  // namespace kiln_amx

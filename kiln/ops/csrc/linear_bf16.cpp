@@ -214,6 +214,12 @@ void panel_gemm(const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
 #endif
 
 
+// Whether oneDNN's GEMM on the plain weight takes these M rows (the tuning table's choice).
+bool dense_rows(const c10::optional<at::Tensor>& dense, int64_t dense_from, int64_t M) {
+  return dense.has_value() && dense->defined() && dense->numel() > 0 && dense_from > 0 &&
+         M >= dense_from;
+}
+
 }  // namespace
 
 #include "linear_bf16_amx.h"
@@ -229,9 +235,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
   TORCH_CHECK(x.size(1) == K, "linear_packed: x has ", x.size(1), " columns, weight ", K);
   c10::optional<at::Tensor> b;
   if (bias.has_value() && bias->defined()) b = bias->to(at::kBFloat16).contiguous();
-  if (dense.has_value() && dense->defined() && dense->numel() > 0 && dense_from > 0 &&
-      M >= dense_from)
-    return at::linear(x, *dense, b);
+  if (dense_rows(dense, dense_from, M)) return at::linear(x, *dense, b);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto xc = x.contiguous();
@@ -275,16 +279,15 @@ at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& wp,
               "linear_packed_silu: a packed [gate | up] weight of an even block count");
 #ifdef __AMX_TILE__
   const int64_t M = x.size(0), K = wp.size(1) * 32, N = wp.size(0) * 16;
-  const bool dense_rows = dense.has_value() && dense->defined() && dense->numel() > 0 &&
-                          dense_from > 0 && M >= dense_from;
-  if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows && !dense_rows &&
+  if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows &&
+      !dense_rows(dense, dense_from, M) &&
       x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K &&
       wp.scalar_type() == at::kBFloat16 && wp.is_contiguous()) {
     auto y = at::empty({M, N / 2}, x.options());
     const auto xc = x.contiguous();
     amx_gemm<true>(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
                    reinterpret_cast<const uint16_t*>(wp.data_ptr()), M, K, N,
-                   SiluEpilogue{y.data_ptr<c10::BFloat16>(), N / 2});
+                   kiln_amx::SiluEpilogue{reinterpret_cast<uint16_t*>(y.data_ptr()), N / 32});
     return y;
   }
 #endif

@@ -2,10 +2,9 @@
 // constants: kAhead, kPanelXBytes, bias16). Two outputs from one loop:
 //   * y = x @ w.T + b, each column pair (blocks 2p, 2p + 1) a 2 x 2 tile block;
 //   * y = silu(g) * u of SwiGLU's gate_up projection (w = [gate | up], N = 2I): block j of
-//     the gate and block j of the up projection share a tile block, so the epilogue has
-//     both halves of its 16 output columns, and the [M, 2I] product is never written. Each
-//     half is rounded to bf16 before the activation, where the separate linear rounds its
-//     output: the same bits as linear_packed followed by kiln_cpu::silu_and_mul.
+//     the gate and block j of the up projection share a tile block, so the epilogue
+//     (kiln_amx::SiluEpilogue) has both halves of its 16 output columns, and the [M, 2I]
+//     product is never written.
 #pragma once
 #ifdef __AMX_TILE__
 
@@ -30,21 +29,6 @@ struct BiasEpilogue {
         for (int b = 0; b < nbs; ++b)
           store_bf16(y + (t.m0 + a * 16 + i) * N + (t.nb + b) * 16,
                      kiln_isa::add(_mm512_load_ps(t.c[a * 2 + b][i]), bv[b]));
-  }
-};
-
-// Tile 2a is the gate's block t.nb for row tile a, tile 2a + 1 the up projection's.
-struct SiluEpilogue {
-  c10::BFloat16* y;
-  int64_t I;
-
-  void operator()(const kiln_amx::AmxBlock& t) const {
-    const int64_t rows[2] = {t.rows0, t.rows1};
-    for (int a = 0; a < 2; ++a)
-      for (int64_t i = 0; i < rows[a]; ++i)
-        store_bf16(y + (t.m0 + a * 16 + i) * I + t.nb * 16,
-                   kiln_isa::silu_mul(kiln_amx::round_bf16(_mm512_load_ps(t.c[a * 2][i])),
-                                      kiln_amx::round_bf16(_mm512_load_ps(t.c[a * 2 + 1][i]))));
   }
 };
 

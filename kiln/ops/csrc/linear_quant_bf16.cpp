@@ -123,33 +123,6 @@ struct QuantEpilogue {
   }
 };
 
-// SwiGLU over a [gate | up] weight (no bias; y is [M, I], I = N / 2): tile 2h is the
-// gate's block t.nb for row tile h, tile 2h + 1 the up projection's block t.nb + half.
-// Each half is rounded to bf16 first, as linear_quant's output is: the same bits as
-// linear_quant followed by kiln_cpu::silu_and_mul (linear_bf16_amx.h does the same).
-template <int F>
-struct QuantSiluEpilogue {
-  const QArgs* a;
-  c10::BFloat16* y;
-  int64_t half;
-
-  V16 half_block(const float* c, int64_t col) const {
-    V16 v = kiln_isa::loadu(c);
-    if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a->scale32 + col));
-    return kiln_amx::round_bf16(v);
-  }
-
-  void operator()(const kiln_amx::AmxBlock& t) const {
-    const int64_t rows[2] = {t.rows0, t.rows1}, I = half * 16;
-    for (int h = 0; h < 2; ++h)
-      for (int64_t i = 0; i < rows[h]; ++i)
-        kiln_isa::store_bf16(y + (t.m0 + h * 16 + i) * I + t.nb * 16,
-                             kiln_isa::silu_mul(half_block(t.c[h * 2][i], t.nb * 16),
-                                                half_block(t.c[h * 2 + 1][i],
-                                                           (t.nb + half) * 16)));
-  }
-};
-
 // The x bytes one pass of converted blocks serves. Each pass converts the thread's whole
 // share of the weight again, and on tiles the conversion, not the x reads, bounds a pass:
 // 2-vCPU Xeon (amx), SmolLM2's four shapes, 4 layers, Q4 at 512 / 2,000 rows: 12.1 / 45-49
@@ -233,7 +206,9 @@ template <int F>
 bool amx_silu(const QArgs& a, const uint16_t* x, c10::BFloat16* y) {
 #ifdef __AMX_TILE__
   if (kiln_amx::state().enabled && a.M >= kiln_amx::state().min_rows) {
-    amx_panel_gemm<F, true>(a, x, QuantSiluEpilogue<F>{&a, y, a.N / 32});
+    const float* scale = F == kInt8 ? a.scale32 : nullptr;
+    amx_panel_gemm<F, true>(
+        a, x, kiln_amx::SiluEpilogue{reinterpret_cast<uint16_t*>(y), a.N / 32, scale});
     return true;
   }
 #endif

@@ -21,8 +21,9 @@
 //   (16 columns x a (k, k+1) pair) against one input row's pair, into a V16 of sums;
 //   kNativeBf16 (load_pair reads the bf16 row, else its fp32 copy);
 //   kGemmRows x kGemmBlocks: the linear's register tile (rows x 16-column blocks).
-// Below them, written once for all: exp2, exp2_bf16, and line-aligned scratch (Aligned64,
-// AlignedVector, aligned_buffer).
+// AVX512 builds also: widen_bf16, round_bf16 (fp32 -> bf16 -> fp32).
+// Below them, written once for all: exp2, exp2_bf16, silu_mul, and line-aligned scratch
+// (Aligned64, AlignedVector, aligned_buffer).
 #pragma once
 #include <immintrin.h>
 #include <cstddef>
@@ -69,8 +70,8 @@ inline V16 exp2_bf16(V16 t) { return exp2_poly(t, kExp2Degree3); }
 
 // SwiGLU's activation, silu(g) * u = g * u / (1 + e^-g), e^-g = 2^(-g log2 e): saturated
 // at 2^127 for g below -88 (the result 0 in bf16), 0 above +88 (the sigmoid 1). One
-// definition for the pointwise op and the GEMM that fuses it (linear_bf16.cpp): the two
-// give the same bits.
+// definition for the pointwise op and the GEMMs that fuse it (amx.h's SiluEpilogue): the
+// two give the same bits.
 inline V16 silu_mul(V16 g, V16 u) {
   const V16 e = exp2(mul(g, set1(-1.44269504f)));
   return div(mul(g, u), add(set1(1.f), e));

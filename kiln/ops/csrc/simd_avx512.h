@@ -43,9 +43,12 @@ inline Mask16 lanes_between(int64_t lo, int64_t hi) {
 }
 
 // 16 bf16 -> 16 fp32 (exact).
-inline V16 load_bf16(const void* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+inline V16 widen_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline V16 load_bf16(const void* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // 16 fp32 -> 16 bf16, rounded to nearest even (what vcvtneps2bf16 and torch do).
@@ -66,6 +69,10 @@ inline __m256i to_bf16(V16 v) {
 inline void store_bf16(void* p, V16 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 }
+
+// fp32 -> bf16 -> fp32: where a separate op's bf16 output would have rounded (the AMX
+// GEMMs' fused SwiGLU epilogues round each half first). AVX512 builds only.
+inline V16 round_bf16(V16 v) { return widen_bf16(to_bf16(v)); }
 
 // Transposed sums in four halving stages of two-source permutes. The stages deliver
 // sources in bit-reversed lane order, so feeding them bit-reversed makes lane i the sum
