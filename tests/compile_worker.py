@@ -15,10 +15,12 @@ PROMPTS = [[5, 9, 13, 200, 7], [100, 3, 44], list(range(3, 40))]
 
 
 COMPILER_CALLS: list[str] = []
+CHILD_PYTHONS: list[str] = []  # Inductor's vector-ISA probe dlopens its builds in these
 
 
 def _audit_compiler_calls() -> None:
-    """Record every C/C++ compiler invocation (version probes aside) this process makes."""
+    """Record every C/C++ compiler invocation (version probes aside) and every child
+    Python this process makes."""
     original = subprocess.Popen.__init__
 
     def init(self, args, *a, **k):
@@ -27,6 +29,8 @@ def _audit_compiler_calls() -> None:
         if words and words[0].rsplit("/", 1)[-1] in ("g++", "gcc", "c++", "cc", "clang++") \
                 and not {"--version", "-v", "-dumpversion"} & set(words):
             COMPILER_CALLS.append(cmd[:200])
+        if words and words[0] == sys.executable:
+            CHILD_PYTHONS.append(cmd[:200])
         original(self, args, *a, **k)
 
     subprocess.Popen.__init__ = init
@@ -45,7 +49,7 @@ def main() -> None:
     print(json.dumps({"counters": compilation_counter.delta(before),
                       "tokens": [o.outputs[0].token_ids for o in outs],
                       "cache": str(llm.engine.runner.compile_backend.cache.dir),
-                      "compiler_calls": COMPILER_CALLS}))
+                      "compiler_calls": COMPILER_CALLS, "child_pythons": CHILD_PYTHONS}))
 
 
 if __name__ == "__main__":
