@@ -19,6 +19,7 @@ tests and launchers change them between engines.
 | KILN_ALLOW_RUNTIME_LORA_UPDATING | `kiln serve --allow-runtime-lora-updating`'s default (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING works too) | off |
 | KILN_PLUGINS | comma-separated entry-point names: only these plugins load, in every group (`""`: none) | unset: all |
 | KILN_KV_PREFAULT | `all` backs the whole CPU KV cache at start-up (steady memory from the first request; `kiln bench soak` sets it), else only its first blocks | first blocks |
+| KILN_WORKER_FORK | 0 starts each `mp` worker as a fresh interpreter instead of forking it from a pre-imported zygote (kiln.executor.zygote) | 1 |
 | KILN_PP_LAYER_PARTITION | layers per pipeline stage, comma-separated (`"5,4"`; vLLM's VLLM_PP_LAYER_PARTITION works too) | an even split |
 | KILN_PROBE_T0 | set by `kiln bench compile` for the start-up probe it spawns: the spawn time (`time.monotonic()`, host-wide) | unset |
 
@@ -76,6 +77,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "KILN_DIST_TIMEOUT_S": _dist_timeout,
     "KILN_DIST_STARTUP_TIMEOUT_S": lambda: float(os.environ.get(
         "KILN_DIST_STARTUP_TIMEOUT_S", max(DEFAULT_DIST_TIMEOUT_S, _dist_timeout()))),
+    "KILN_WORKER_FORK": lambda: os.environ.get("KILN_WORKER_FORK", "1").strip() != "0",
     "KILN_PP_LAYER_PARTITION": lambda: os.environ.get(
         "KILN_PP_LAYER_PARTITION", os.environ.get("VLLM_PP_LAYER_PARTITION", "")).strip(),
     "KILN_API_KEY": lambda: os.environ.get("KILN_API_KEY"),

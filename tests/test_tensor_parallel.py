@@ -72,12 +72,13 @@ def test_mp_tp2_qwen3_matches_transformers_at_o0_and_o2(models, tmp_path):
     both, as one cold tp=2 compile costs about 45 s here. The -O0 case runs a LoRA
     adapter on all but the first prompt: each rank holds its slices of A and B (the
     replicated KV head's B whole), and the row-parallel layers add theirs before the
-    all-reduce; it equals transformers + peft."""
+    all-reduce; it equals transformers + peft. That case spawns its workers as fresh
+    interpreters (KILN_WORKER_FORK=0); every other `mp` engine forks them."""
     from lora_utils import ALL, make_adapter
 
     adapter = make_adapter(models["qwen3"][1], tmp_path / "a", 4, ALL, seed=1)
     cases = [{"model": str(models["qwen3"][0]), "level": 0, "tp": 2,
-              "lora": str(tmp_path / "a")},
+              "lora": str(tmp_path / "a"), "env": {"KILN_WORKER_FORK": "0"}},
              {"model": str(models["qwen3"][0]), "level": 2, "tp": 2}]
     results = run_cases(cases)
     base = reference(models["qwen3"][1])
@@ -157,6 +158,17 @@ def test_bad_parallel_config_is_a_startup_value_error(models, kwargs, field, mon
 
 def _children(pid: int) -> list[int]:
     """Live descendants of `pid` (from /proc: no psutil here)."""
+    parents = _parents()
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def _parents() -> dict[int, int]:
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -167,13 +179,18 @@ def _children(pid: int) -> list[int]:
             fields = stat.rsplit(")", 1)[1].split()
             if fields[0] != "Z":  # zombies are dead, just not reaped yet
                 parents[int(entry.name)] = int(fields[1])
-    out, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        out += kids
-        frontier += kids
-    return out
+    return parents
+
+
+def _workers(pid: int, forked: bool = True) -> list[int]:
+    """The `mp` workers among `pid`'s descendants: forked by a zygote (whose command line
+    they share) or, with `forked=False`, spawned as `kiln.executor.multiproc_worker`."""
+    if not forked:
+        return [p for p in _children(pid)
+                if "-m kiln.executor.multiproc_worker" in _cmdline(p)]
+    parents = _parents()
+    zygotes = [p for p in _children(pid) if "kiln.executor.zygote" in _cmdline(p)]
+    return [p for p in zygotes if parents.get(p) in zygotes]
 
 
 def _cmdline(pid: int) -> str:
@@ -209,8 +226,7 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_when_a_worker_is_killed(
         res = client.completions.create(model=MODEL_NAME, prompt="The capital of France is",
                                         max_tokens=12, temperature=0)
         assert res.choices[0].text == expected
-        workers = [p for p in _children(server.proc.pid)
-                   if "kiln.executor.multiproc" in _cmdline(p)]
+        workers = _workers(server.proc.pid)
         assert len(workers) == 2, [_cmdline(p) for p in _children(server.proc.pid)]
         family = _children(server.proc.pid)
         stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time",
@@ -261,16 +277,16 @@ def test_hung_worker_times_out_instead_of_hanging(models, monkeypatch):
     monkeypatch.setenv("KILN_DIST_TIMEOUT_S", "5")
     llm = LLM(str(models["llama"][0]), dtype="float32", optimization_level=0,
               progress=False, num_kv_blocks=32, tensor_parallel_size=2)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == reference(models["llama"][1])
-    workers = [p for p in _children(os.getpid())
-               if "kiln.executor.multiproc" in _cmdline(p)]
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGSTOP)
-    start = time.monotonic()
-    try:
+    try:  # a failure must not leave the engine in this process's distributed world
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference(models["llama"][1])
+        workers = _workers(os.getpid())
+        assert len(workers) == 2  # forked by the zygote (kiln.executor.zygote)
+        assert _workers(os.getpid(), forked=False) == []
+        os.kill(workers[1], signal.SIGSTOP)
+        start = time.monotonic()
         with pytest.raises(WorkerDiedError, match="worker rank|timed out"):
             llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4),
                          use_tqdm=False)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln import envs
 from kiln.compiler.cache import default_cache_root
 from kiln.compiler.vec_isa import probe_in_background
 from kiln.config.engine import EngineConfig
@@ -26,8 +27,9 @@ from kiln.engine.stat_loggers import (iteration_stats, load_stat_loggers,
                                       log_engine_initialized, prompt_tokens_scheduled,
                                       record_all)
 from kiln.executor.abstract import Executor
-from kiln.executor.factory import make_executor, runs_in_process
+from kiln.executor.factory import make_executor, resolve_backend, runs_in_process
 from kiln.executor.worker import RunnerSpec
+from kiln.executor.zygote import start_zygote
 from kiln.kv_cache.block_hash import BlockHasher
 from kiln.kv_cache.kv_cache_manager import KVCacheManager
 from kiln.kv_transfer.base import KVConnectorRole
@@ -113,6 +115,9 @@ class LLMEngine:
             raise ValueError("quantization='gguf' runs with tensor_parallel_size=1 only (its "
                              "blocks are not sharded yet); pass --quantization none to "
                              "shard the dequantized weights, or -tp 1")
+        if resolve_backend(config.distributed_executor_backend, tp, pp) == "mp" and \
+                envs.KILN_WORKER_FORK:
+            start_zygote(bool(config.compilation.mode))  # imports beside this start-up
         if config.device == "cpu":
             with phases("kernels"):  # loaded; built here where no build runs beside
                 cpu_kernels.ensure_planned(default_cache_root(), progress)

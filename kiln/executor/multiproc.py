@@ -4,8 +4,10 @@ The engine side (messages, the batch queue's handles, RPCs, supervision) is
 kiln.executor.driver's; this module starts, watches and stops the processes. Workers are
 started as `python -m kiln.executor.multiproc_worker` with their arguments pickled on
 stdin, not by multiprocessing's spawn: spawn re-imports the caller's main script, which
-breaks every script without an `if __name__ == "__main__"` guard. Workers die with the
-engine (PR_SET_PDEATHSIG), so a killed engine leaves no orphans.
+breaks every script without an `if __name__ == "__main__"` guard. By default they are
+forked from a zygote that has imported what a worker needs once (kiln.executor.zygote);
+`KILN_WORKER_FORK=0`, or a zygote that cannot start, spawns each one fresh. Workers die
+with the engine (PR_SET_PDEATHSIG), so a killed engine leaves no orphans.
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import time
 
 import torch
 
+from kiln import envs
 from kiln.executor.driver import RankDriver, WorkerDiedError, describe_grid
 from kiln.executor.multiproc_worker import PEER_LOST, WorkerArgs
 from kiln.executor.worker import RunnerSpec
+from kiln.executor.zygote import ForkedWorker, spawn_worker
 from kiln.platforms.cpu import cpu_threads_per_rank
 
 logger = logging.getLogger(__name__)
@@ -35,7 +39,7 @@ class MultiprocExecutor(RankDriver):
             logger.warning("%s: %d worker processes x %d CPU thread%s (%d CPUs here)",
                            describe_grid(tp, pp), n, threads, "s" * (threads > 1),
                            cpu_threads_per_rank(1))
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | ForkedWorker] = []
         super().__init__(spec, tp, pp, "127.0.0.1", threads)
 
     def _start_ranks(self, args: list[WorkerArgs]) -> None:
@@ -56,10 +60,13 @@ class MultiprocExecutor(RankDriver):
             _wait(p, max(0.0, deadline - time.monotonic()))
 
 
-def _death_report(dead: list[tuple[int, subprocess.Popen]]) -> str:
+Proc = subprocess.Popen | ForkedWorker
+
+
+def _death_report(dead: list[tuple[int, Proc]]) -> str:
     """Name the root cause among the workers found dead in one scan: killed by a signal
     first, then a worker's own failure, then those that only lost a peer."""
-    def cause(item: tuple[int, subprocess.Popen]) -> tuple[int, int]:
+    def cause(item: tuple[int, Proc]) -> tuple[int, int]:
         code = item[1].returncode
         return (0 if code < 0 else 2 if code == PEER_LOST else 1, item[0])
 
@@ -73,14 +80,21 @@ def _death_report(dead: list[tuple[int, subprocess.Popen]]) -> str:
     return report
 
 
-def _wait(proc: subprocess.Popen, seconds: float) -> None:
+def _wait(proc: Proc, seconds: float) -> None:
     try:
         proc.wait(seconds)
     except subprocess.TimeoutExpired:
         pass
 
 
-def _spawn(args: WorkerArgs) -> subprocess.Popen:
+def _spawn(args: WorkerArgs) -> Proc:
+    if envs.KILN_WORKER_FORK:
+        try:
+            compilation = args.spec.compilation
+            return spawn_worker(args, compilation is not None and bool(compilation.mode))
+        except OSError as exc:
+            logger.warning("forking rank %d failed (%s): starting it as a new process",
+                           args.rank, exc)
     proc = subprocess.Popen([sys.executable, "-m", "kiln.executor.multiproc_worker"],
                             stdin=subprocess.PIPE)
     assert proc.stdin is not None
