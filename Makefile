@@ -43,16 +43,21 @@ run: $(STAMP)
 # tests start inherit it): two workers of two OpenMP threads each on two cores spent their
 # time in spinning barriers (warm suite 7:44 -> 6:30, 12.3 -> 9.6 CPU-minutes). Tests of
 # kiln's C++ kernels still run at the host's thread count (tests/conftest.py).
+# The engines the suite starts leave their weights on the pages they loaded to
+# (KILN_HUGE_PAGES=0): on these VMs a fresh 2 MiB page costs about 10 ms to fault in, 5.5 s
+# for SmolLM2's fp32 weights at every start, and no test reads speed. The move itself, and
+# the loader's use of it, are tests/test_huge_pages.py's.
 # First the house's contracts (docs/architecture.md): the import-linter layers in
 # pyproject.toml, and no import circle among kiln's modules (lazy imports counted).
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/import_cycles.py
+	export KILN_HUGE_PAGES=0; \
 	$(KILN) warmup -O2 --dtype float32 --quantization none > $(VENV)/warmup-float32.log 2>&1 & fp32=$$!; \
 	$(KILN) warmup -O2; rc=$$?; \
 	if wait $$fp32; then tail -n 6 $(VENV)/warmup-float32.log; \
 	else cat $(VENV)/warmup-float32.log; rc=1; fi; exit $$rc
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+	KILN_HUGE_PAGES=0 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # Micro-benchmarks of the hot ops and of a compiled decoder piece (pytest-benchmark, never
 # collected by `make test`), then kiln vs transformers on SmolLM2 (batch 1, 32 requests).

@@ -18,6 +18,7 @@ tests and launchers change them between engines.
 | KILN_API_KEY | `kiln serve --api-key`'s default | none |
 | KILN_ALLOW_RUNTIME_LORA_UPDATING | `kiln serve --allow-runtime-lora-updating`'s default (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING works too) | off |
 | KILN_PLUGINS | comma-separated entry-point names: only these plugins load, in every group (`""`: none) | unset: all |
+| KILN_HUGE_PAGES | 0 leaves the CPU weights where they loaded instead of copying them to transparent huge pages (kiln.runner.huge_pages): a VM whose host backs a fresh huge page slowly (about 10 ms each seen) spends seconds of start-up there | 1 |
 | KILN_KV_PREFAULT | `all` backs the whole CPU KV cache at start-up (steady memory from the first request; `kiln bench soak` sets it), else only its first blocks | first blocks |
 | KILN_WORKER_FORK | 0 starts each `mp` worker as a fresh interpreter instead of forking it from a pre-imported zygote (kiln.executor.zygote) | 1 |
 | KILN_PP_LAYER_PARTITION | layers per pipeline stage, comma-separated (`"5,4"`; vLLM's VLLM_PP_LAYER_PARTITION works too) | an even split |
@@ -84,6 +85,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "KILN_ALLOW_RUNTIME_LORA_UPDATING": lambda: _true("VLLM_ALLOW_RUNTIME_LORA_UPDATING",
                                                       "KILN_ALLOW_RUNTIME_LORA_UPDATING"),
     "KILN_PLUGINS": lambda: _names("KILN_PLUGINS"),
+    "KILN_HUGE_PAGES": lambda: os.environ.get("KILN_HUGE_PAGES", "1").strip() != "0",
     "KILN_KV_PREFAULT": lambda: os.environ.get("KILN_KV_PREFAULT", "").strip().lower(),
     "KILN_PROBE_T0": lambda: float(os.environ.get("KILN_PROBE_T0", "nan")),
 }

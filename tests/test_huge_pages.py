@@ -135,3 +135,20 @@ def test_kv_cache_backs_its_first_blocks_at_start_up_and_the_rest_on_use():
     assert not slots[1][1, 0].any() and not slots[1][1, -1].any()
     slots[1][1, -1].fill_(1.0)  # a block far from the front: one more page, on use
     assert smaps_kib(buffer.data_ptr(), "Rss") - backed in (4, 8, 12)
+
+
+def test_the_loader_moves_weights_unless_kiln_huge_pages_is_0(tiny_models, monkeypatch):
+    """The engine's loader moves the weights (the move itself is tested above) unless
+    KILN_HUGE_PAGES=0, which the suite sets (see the Makefile)."""
+    from kiln.config.quantization import QuantizationConfig
+    from kiln.models.model_config import ModelConfig
+    from kiln.runner import load
+
+    moved: list[nn.Module] = []
+    monkeypatch.setattr(load, "move_weights_to_huge_pages", moved.append)
+    config = ModelConfig.from_pretrained(tiny_models["llama"][0])
+    for value, calls in (("1", 1), ("0", 1), ("", 2)):
+        monkeypatch.setenv("KILN_HUGE_PAGES", value)
+        model = load.load_weights(config, QuantizationConfig(), torch.float32,
+                                  torch.device("cpu"), progress=False)
+        assert len(moved) == calls and (moved[-1] is model) == (value != "0"), value

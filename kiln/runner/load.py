@@ -6,6 +6,7 @@ import logging
 import torch
 from torch import nn
 
+from kiln import envs
 from kiln.compiler.cache import default_cache_root
 from kiln.config.quantization import QuantizationConfig
 from kiln.models.loader import build_model
@@ -33,6 +34,6 @@ def load_weights(model_config: ModelConfig, quantization: QuantizationConfig,
                        "experts' weights stay %s", quantization.method, dtype)
     if dtype == torch.bfloat16 and device.type == "cpu":
         pack_cpu_weights(model, model_config, dtype, device)
-    if device.type == "cpu":
+    if device.type == "cpu" and envs.KILN_HUGE_PAGES:
         move_weights_to_huge_pages(model)
     return model
