@@ -30,6 +30,7 @@ import struct
 import subprocess
 import sys
 import threading
+import traceback
 from typing import Any, Callable
 
 _HEADER = struct.Struct("!Q")
@@ -224,6 +225,8 @@ def _child(args: Any, env: dict[str, str], cwd: str, fds: list[int],
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported as an uncaught exception would be
+        traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
