@@ -37,6 +37,12 @@ _INDUCTOR_PATCHES = {"cpp_cache_precompile_headers": shutil.which("openssl") is 
                      "alignment_asserts": False}
 
 
+# Settings that only choose whether a check raises or warns, never the code: left out of
+# the key. functorch's defaults to `bool(os.getenv("CI"))`, so a cache warmed in CI (which
+# sets CI=true) missed everywhere else.
+_CHECKS_ONLY = frozenset({"error_on_custom_op_aliasing"})
+
+
 @contextlib.contextmanager
 def _no_header_precompiling() -> Iterator[None]:
     """While loading: no header to precompile. A warm load runs no C++ toolchain at all
@@ -112,9 +118,11 @@ class InductorAdaptor(CompilerAdaptor):
         from torch._inductor import config as inductor_config
         from torch._functorch import config as functorch_config
 
+        functorch = {k: v for k, v in functorch_config.save_config_portable().items()
+                     if k not in _CHECKS_ONLY}
         factors = [torch.__version__, sorted(self.options.items()),
                    sorted(inductor_config.save_config_portable().items()),
-                   sorted(functorch_config.save_config_portable().items())]
+                   sorted(functorch.items())]
         return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 
     def compile(self, graph, args, dynamic, save_dir):
