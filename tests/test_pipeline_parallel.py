@@ -88,6 +88,10 @@ def test_pp_matches_transformers_across_families_levels_and_grids(models):
         name = Path(case["model"]).name
         assert result["tokens"] == reference(models[name][1]), case
         assert len(result["counters"]) == case["tp"] * case["pp"]  # a report per rank
+    # The process's first engine spawns its workers; the later ones fork them from the
+    # zygote the second started (kiln.executor.zygote).
+    assert results[0]["forked"] == [False, False] and results[1]["forked"] == [True, True]
+    assert results[3]["forked"] == [True] * 4
     warm = results[1]["counters"]  # the case before compiled (or loaded) both stages
     assert [c["num_inductor_compiles"] for c in warm] == [0, 0]
     assert [c["num_compiled_artifacts_loaded"] for c in warm] == [1, 1]

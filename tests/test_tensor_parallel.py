@@ -73,7 +73,8 @@ def test_mp_tp2_qwen3_matches_transformers_at_o0_and_o2(models, tmp_path):
     adapter on all but the first prompt: each rank holds its slices of A and B (the
     replicated KV head's B whole), and the row-parallel layers add theirs before the
     all-reduce; it equals transformers + peft. That case spawns its workers as fresh
-    interpreters (KILN_WORKER_FORK=0); every other `mp` engine forks them."""
+    interpreters (KILN_WORKER_FORK=0), and so does the next, the process's first with
+    forking on; a third engine would fork them (test_pipeline_parallel checks that)."""
     from lora_utils import ALL, make_adapter
 
     adapter = make_adapter(models["qwen3"][1], tmp_path / "a", 4, ALL, seed=1)
@@ -182,15 +183,15 @@ def _parents() -> dict[int, int]:
     return parents
 
 
-def _workers(pid: int, forked: bool = True) -> list[int]:
-    """The `mp` workers among `pid`'s descendants: forked by a zygote (whose command line
-    they share) or, with `forked=False`, spawned as `kiln.executor.multiproc_worker`."""
-    if not forked:
-        return [p for p in _children(pid)
-                if "-m kiln.executor.multiproc_worker" in _cmdline(p)]
+def _workers(pid: int) -> list[int]:
+    """The `mp` workers among `pid`'s descendants: spawned as
+    `kiln.executor.multiproc_worker`, or forked by a zygote (whose command line they
+    share; a process's later engines, kiln.executor.zygote)."""
     parents = _parents()
-    zygotes = [p for p in _children(pid) if "kiln.executor.zygote" in _cmdline(p)]
-    return [p for p in zygotes if parents.get(p) in zygotes]
+    family = _children(pid)
+    zygotes = [p for p in family if "kiln.executor.zygote" in _cmdline(p)]
+    return [p for p in family if "-m kiln.executor.multiproc_worker" in _cmdline(p)] + \
+        [p for p in zygotes if parents.get(p) in zygotes]
 
 
 def _cmdline(pid: int) -> str:
@@ -283,8 +284,7 @@ def test_hung_worker_times_out_instead_of_hanging(models, monkeypatch):
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference(models["llama"][1])
         workers = _workers(os.getpid())
-        assert len(workers) == 2  # forked by the zygote (kiln.executor.zygote)
-        assert _workers(os.getpid(), forked=False) == []
+        assert len(workers) == 2
         os.kill(workers[1], signal.SIGSTOP)
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match="worker rank|timed out"):

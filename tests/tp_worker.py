@@ -38,6 +38,8 @@ def run(case: dict) -> dict:
                         lora_request=loras)
     reports = llm.engine.executor.collective_rpc("compile_report")
     driver = llm.engine.executor.is_driver
+    forked = [type(p).__name__ == "ForkedWorker"
+              for p in getattr(llm.engine.executor, "procs", [])]
     batches = llm.engine.batch_queue
     stats = llm.engine.get_stats()
     spec = stats.spec_decoding
@@ -47,7 +49,7 @@ def run(case: dict) -> dict:
             "peak_in_flight": batches.peak if batches is not None else 1,
             "texts": [o.outputs[0].text for o in outs],
             "drafts_accepted": spec.num_accepted_tokens if spec is not None else 0,
-            "prefix_hits": stats.prefix_cache_hits}
+            "prefix_hits": stats.prefix_cache_hits, "forked": forked}
 
 
 def sampling(max_tokens: int, extra: dict) -> SamplingParams:

@@ -29,7 +29,7 @@ from kiln.engine.stat_loggers import (iteration_stats, load_stat_loggers,
 from kiln.executor.abstract import Executor
 from kiln.executor.factory import make_executor, resolve_backend, runs_in_process
 from kiln.executor.worker import RunnerSpec
-from kiln.executor.zygote import start_zygote
+from kiln.executor.zygote import engine_starting
 from kiln.kv_cache.block_hash import BlockHasher
 from kiln.kv_cache.kv_cache_manager import KVCacheManager
 from kiln.kv_transfer.base import KVConnectorRole
@@ -117,7 +117,7 @@ class LLMEngine:
                              "shard the dequantized weights, or -tp 1")
         if resolve_backend(config.distributed_executor_backend, tp, pp) == "mp" and \
                 envs.KILN_WORKER_FORK:
-            start_zygote(bool(config.compilation.mode))  # imports beside this start-up
+            engine_starting(bool(config.compilation.mode))  # a zygote from the second on
         if config.device == "cpu":
             with phases("kernels"):  # loaded; built here where no build runs beside
                 cpu_kernels.ensure_planned(default_cache_root(), progress)
