@@ -4,9 +4,10 @@ The engine side (messages, the batch queue's handles, RPCs, supervision) is
 kiln.executor.driver's; this module starts, watches and stops the processes. Workers are
 started as `python -m kiln.executor.multiproc_worker` with their arguments pickled on
 stdin, not by multiprocessing's spawn: spawn re-imports the caller's main script, which
-breaks every script without an `if __name__ == "__main__"` guard. From a process's second
-`mp` engine on, they are forked from a zygote that has imported what a worker needs once
-(kiln.executor.zygote); `KILN_WORKER_FORK=0`, or a zygote that cannot start, spawns them. Workers die
+breaks every script without an `if __name__ == "__main__"` guard. From a process's
+second `mp` engine on, they are forked from a zygote that has imported what a worker needs
+once (kiln.executor.zygote); `KILN_WORKER_FORK=0`, or a zygote that cannot start, spawns
+them. Workers die
 with the engine (PR_SET_PDEATHSIG), so a killed engine leaves no orphans.
 """
 from __future__ import annotations

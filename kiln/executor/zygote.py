@@ -2,25 +2,24 @@
 
 A worker started as `python -m kiln.executor.multiproc_worker` spends 3-5 s importing
 torch, kiln and transformers before it does anything, and a tp x pp grid pays that once
-per rank, on cores the ranks then share. The zygote is one `python -m
-kiln.executor.zygote` per engine process that imports all of that once and waits; each
-worker is a `fork()` of it, running in a fraction of a second. Engines built one after
-another in a process (a test suite, a server restarting its engine) reuse it.
+per rank, per engine. The zygote is one `python -m kiln.executor.zygote` that imports all
+of that once and waits; each worker is a `fork()` of it, running in a fraction of a
+second. A process's first `mp` engine still spawns its workers (their imports side by
+side beat one zygote importing alone: `engine_starting`); the zygote serves the engines
+after it: a test suite, a script that builds several, a server that restarts its engine.
 
 Fork safety: the zygote only imports. It runs no torch op, so no OpenMP pool, no
 distributed group and no thread exists when it forks; each child sets its own threads,
 joins its own world and builds its own model, as a spawned worker does.
 
-The first `mp` engine of a process spawns its workers (see `engine_starting`); the zygote
-serves the engines after it: a test suite, a script that builds several, a server that
-restarts its engine. What a spawned worker inherited, a forked one is handed explicitly with each request:
-the engine's environment and working directory, and its stdout and stderr as they are now
-(file descriptors passed over the socket, so output still goes where the engine's goes
-after a test harness redirects it). A zygote started in another working directory or
-environment is replaced, since its imports read those. Workers die with the
-zygote and the zygote with the engine (PR_SET_PDEATHSIG), as spawned workers die with
-the engine. The zygote reports each child's exit status, which the engine reads as it
-reads a spawned worker's (`ForkedWorker` has the `Popen` methods the executor uses).
+What a spawned worker inherited, a forked one is handed with each request: the engine's
+environment and working directory, and its stdout and stderr as they are now (file
+descriptors passed over the socket, so output still goes where the engine's goes after a
+test harness redirects it). A zygote started in another working directory or environment
+is retired, since its imports read those. Workers die with the zygote and the zygote
+with the engine (PR_SET_PDEATHSIG), as spawned workers die with the engine. The zygote
+reports each child's exit status, which the engine reads as it reads a spawned worker's
+(`ForkedWorker` has the `Popen` methods the executor uses).
 """
 from __future__ import annotations
 
@@ -34,6 +33,8 @@ import sys
 import threading
 import traceback
 from typing import Any, Callable
+
+from kiln import envs
 
 _HEADER = struct.Struct("!Q")
 # What every worker imports before it can start: the worker's module (torch, the runner,
@@ -151,9 +152,11 @@ class Zygote:
             sys.stdout.flush()
             sys.stderr.flush()
             _send(self._sock, request, (1, 2))  # what a spawned worker would inherit
+            bound = envs.KILN_DIST_STARTUP_TIMEOUT_S  # its imports come first, then this
             with self._changed:
-                if not self._changed.wait_for(lambda: self._forked or not self._alive, 60):
-                    raise OSError("the worker zygote did not answer in 60 s")
+                if not self._changed.wait_for(lambda: self._forked or not self._alive, bound):
+                    self.proc.kill()  # so that no late fork runs a worker nobody awaits
+                    raise OSError(f"the worker zygote did not answer in {bound:.0f} s")
                 if not self._forked:
                     raise OSError("the worker zygote exited")
                 return ForkedWorker(self, self._forked.pop(0))
