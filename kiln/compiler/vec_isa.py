@@ -90,7 +90,7 @@ def probe_in_background() -> None:
     called before any CPU code is compiled, waits for it. Inductor caches the answer in
     the process (`valid_vec_isa_list`), so its own call then probes nothing."""
     marker = _marker()
-    if marker is None or marker.is_file():
+    if marker is None or _read_marker(marker) is not None:  # a damaged one: probe again
         return
     # What the probe imports, imported here: an import on a thread while this one imports
     # too can meet a half-initialised module (seen: "cannot import name 'schema' from

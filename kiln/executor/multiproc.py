@@ -28,6 +28,7 @@ from kiln.executor.zygote import ForkedWorker, spawn_worker
 from kiln.platforms.cpu import cpu_threads_per_rank
 
 logger = logging.getLogger(__name__)
+Proc = subprocess.Popen | ForkedWorker  # a spawned or a forked worker
 __all__ = ["MultiprocExecutor", "WorkerDiedError"]
 
 
@@ -40,7 +41,7 @@ class MultiprocExecutor(RankDriver):
             logger.warning("%s: %d worker processes x %d CPU thread%s (%d CPUs here)",
                            describe_grid(tp, pp), n, threads, "s" * (threads > 1),
                            cpu_threads_per_rank(1))
-        self.procs: list[subprocess.Popen | ForkedWorker] = []
+        self.procs: list[Proc] = []
         super().__init__(spec, tp, pp, "127.0.0.1", threads)
 
     def _start_ranks(self, args: list[WorkerArgs]) -> None:
@@ -59,9 +60,6 @@ class MultiprocExecutor(RankDriver):
         deadline = time.monotonic() + seconds
         for p in self.procs:
             _wait(p, max(0.0, deadline - time.monotonic()))
-
-
-Proc = subprocess.Popen | ForkedWorker
 
 
 def _death_report(dead: list[tuple[int, Proc]]) -> str:
