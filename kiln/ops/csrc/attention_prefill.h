@@ -39,6 +39,7 @@
 
 #include "amx.h"
 #include "attention_decode.h"
+#include "attention_pack.h"
 #include "attention_prefill_amx.h"
 #include "attention_softmax.h"
 #include "simd.h"
@@ -97,16 +98,8 @@ inline void pack_tile(const uint16_t* kc, const uint16_t* vc, const int32_t* blo
       krow[c] = vrow[c] = zeros;
     }
   }
-  auto* kt = reinterpret_cast<uint32_t*>(kp + 16 * t * D);
-  for (int64_t d2 = 0; d2 < D / 2; ++d2)
-    for (int c = 0; c < 16; ++c)
-      std::memcpy(kt + d2 * 16 + c, krow[c] + 2 * d2, 4);
-  uint16_t* vt = vp + 16 * t * D;  // 8 key pairs x D x 2
-  for (int j = 0; j < 8; ++j)
-    for (int64_t d = 0; d < D; ++d) {
-      vt[(j * D + d) * 2] = vrow[2 * j][d];
-      vt[(j * D + d) * 2 + 1] = vrow[2 * j + 1][d];
-    }
+  pack_keys(krow, D, kp + 16 * t * D);
+  pack_values(vrow, D, vp + 16 * t * D);  // 8 key pairs x D x 2
 }
 
 // RT query vectors x N tiles of 16 keys: s[r][16 b + c] = q_r . k_c.
