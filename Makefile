@@ -49,15 +49,15 @@ run: $(STAMP)
 # the loader's use of it, are tests/test_huge_pages.py's.
 # First the house's contracts (docs/architecture.md): the import-linter layers in
 # pyproject.toml, and no import circle among kiln's modules (lazy imports counted).
+test: export KILN_HUGE_PAGES := 0
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/import_cycles.py
-	export KILN_HUGE_PAGES=0; \
 	$(KILN) warmup -O2 --dtype float32 --quantization none > $(VENV)/warmup-float32.log 2>&1 & fp32=$$!; \
 	$(KILN) warmup -O2; rc=$$?; \
 	if wait $$fp32; then tail -n 6 $(VENV)/warmup-float32.log; \
 	else cat $(VENV)/warmup-float32.log; rc=1; fi; exit $$rc
-	KILN_HUGE_PAGES=0 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # Micro-benchmarks of the hot ops and of a compiled decoder piece (pytest-benchmark, never
 # collected by `make test`), then kiln vs transformers on SmolLM2 (batch 1, 32 requests).

@@ -50,6 +50,11 @@ def _true(*names: str) -> bool:
     return any(os.environ.get(n, "").strip().lower() in ("1", "true") for n in names)
 
 
+def _on(name: str) -> bool:
+    """A switch that is on unless set to 0."""
+    return os.environ.get(name, "1").strip() != "0"
+
+
 def _names(name: str) -> list[str] | None:
     """A comma-separated list; unset is None, and "" an empty list (matches nothing)."""
     value = os.environ.get(name)
@@ -78,14 +83,14 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "KILN_DIST_TIMEOUT_S": _dist_timeout,
     "KILN_DIST_STARTUP_TIMEOUT_S": lambda: float(os.environ.get(
         "KILN_DIST_STARTUP_TIMEOUT_S", max(DEFAULT_DIST_TIMEOUT_S, _dist_timeout()))),
-    "KILN_WORKER_FORK": lambda: os.environ.get("KILN_WORKER_FORK", "1").strip() != "0",
+    "KILN_WORKER_FORK": lambda: _on("KILN_WORKER_FORK"),
     "KILN_PP_LAYER_PARTITION": lambda: os.environ.get(
         "KILN_PP_LAYER_PARTITION", os.environ.get("VLLM_PP_LAYER_PARTITION", "")).strip(),
     "KILN_API_KEY": lambda: os.environ.get("KILN_API_KEY"),
     "KILN_ALLOW_RUNTIME_LORA_UPDATING": lambda: _true("VLLM_ALLOW_RUNTIME_LORA_UPDATING",
                                                       "KILN_ALLOW_RUNTIME_LORA_UPDATING"),
     "KILN_PLUGINS": lambda: _names("KILN_PLUGINS"),
-    "KILN_HUGE_PAGES": lambda: os.environ.get("KILN_HUGE_PAGES", "1").strip() != "0",
+    "KILN_HUGE_PAGES": lambda: _on("KILN_HUGE_PAGES"),
     "KILN_KV_PREFAULT": lambda: os.environ.get("KILN_KV_PREFAULT", "").strip().lower(),
     "KILN_PROBE_T0": lambda: float(os.environ.get("KILN_PROBE_T0", "nan")),
 }

@@ -144,7 +144,6 @@ def record_vec_isa() -> None:
                 if all(flag in flags for flag in str(isa).split())]
     if not reported or cpu_vec_isa.valid_vec_isa_list() != reported:
         return
-    names = " ".join(str(isa) for isa in reported)
     record = {"isas": [str(isa) for isa in reported], "checks": dict(sorted(_seen.items()))}
     try:  # atomic, and optional: a read-only cache only means probing again next time
         marker.parent.mkdir(parents=True, exist_ok=True)
@@ -154,4 +153,5 @@ def record_vec_isa() -> None:
     except OSError as exc:
         logger.info("vector-ISA answer not recorded (%s): Inductor probes again", exc)
         return
-    logger.info("vector ISAs %s probed once for this machine (%s)", names, marker)
+    logger.info("vector ISAs %s probed once for this machine (%s)", " ".join(record["isas"]),
+                marker)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln import envs
 from kiln.compiler.cache import default_cache_root
 from kiln.compiler.vec_isa import probe_in_background
 from kiln.config.engine import EngineConfig
@@ -115,8 +114,7 @@ class LLMEngine:
             raise ValueError("quantization='gguf' runs with tensor_parallel_size=1 only (its "
                              "blocks are not sharded yet); pass --quantization none to "
                              "shard the dequantized weights, or -tp 1")
-        if resolve_backend(config.distributed_executor_backend, tp, pp) == "mp" and \
-                envs.KILN_WORKER_FORK:
+        if resolve_backend(config.distributed_executor_backend, tp, pp) == "mp":
             engine_starting(bool(config.compilation.mode))  # a zygote from the second on
         if config.device == "cpu":
             with phases("kernels"):  # loaded; built here where no build runs beside

@@ -7,8 +7,7 @@ stdin, not by multiprocessing's spawn: spawn re-imports the caller's main script
 breaks every script without an `if __name__ == "__main__"` guard. From a process's
 second `mp` engine on, they are forked from a zygote that has imported what a worker needs
 once (kiln.executor.zygote); `KILN_WORKER_FORK=0`, or a zygote that cannot start, spawns
-them. Workers die
-with the engine (PR_SET_PDEATHSIG), so a killed engine leaves no orphans.
+them. Workers die with the engine (PR_SET_PDEATHSIG), so a killed engine leaves no orphans.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import time
 
 import torch
 
-from kiln import envs
 from kiln.executor.driver import RankDriver, WorkerDiedError, describe_grid
 from kiln.executor.multiproc_worker import PEER_LOST, WorkerArgs
 from kiln.executor.worker import RunnerSpec
@@ -87,14 +85,13 @@ def _wait(proc: Proc, seconds: float) -> None:
 
 
 def _spawn(args: WorkerArgs) -> Proc:
-    if envs.KILN_WORKER_FORK:
-        try:
-            forked = spawn_worker(args)
-            if forked is not None:
-                return forked
-        except OSError as exc:
-            logger.warning("forking rank %d failed (%s): starting it as a new process",
-                           args.rank, exc)
+    try:
+        forked = spawn_worker(args)
+        if forked is not None:
+            return forked
+    except OSError as exc:
+        logger.warning("forking rank %d failed (%s): starting it as a new process",
+                       args.rank, exc)
     proc = subprocess.Popen([sys.executable, "-m", "kiln.executor.multiproc_worker"],
                             stdin=subprocess.PIPE)
     assert proc.stdin is not None

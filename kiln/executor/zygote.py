@@ -194,7 +194,7 @@ def _usable(zygote: Zygote) -> bool:
         zygote.thread is threading.current_thread()
 
 
-_mp_engines = [0]  # `mp` engines started in this process
+_mp_engines = [0]  # `mp` engines started in this process with forking on
 
 
 def engine_starting(compiled: bool) -> None:
@@ -203,14 +203,15 @@ def engine_starting(compiled: bool) -> None:
     tiny tp=2 engine, 2 vCPUs: 7.0-8.0 s spawned, 8.6-10.6 s forked, three rounds each).
     From the second on, a zygote forks them, started here so its imports overlap this
     engine's own start-up; it imports Inductor too for a compiled engine (a later engine
-    reuses it either way: a worker imports what its zygote did not)."""
+    reuses it either way: a worker imports what its zygote did not). An engine with
+    KILN_WORKER_FORK=0 keeps none and spawns, and is not counted."""
     with _current_lock:
-        _mp_engines[0] += 1
-        if _mp_engines[0] == 1:
-            return
-        if _current and not _usable(_current[0]):
+        if _current and not (envs.KILN_WORKER_FORK and _usable(_current[0])):
             _current.pop().retire()
-        if not _current:
+        if not envs.KILN_WORKER_FORK:
+            return
+        _mp_engines[0] += 1
+        if _mp_engines[0] > 1 and not _current:
             _current.append(Zygote(PRELOAD + PRELOAD_COMPILED * compiled))
 
 
