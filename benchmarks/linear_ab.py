@@ -32,29 +32,37 @@ _libraries: list[torch.library.Library] = []  # the renamed schemas, kept alive
 
 
 def build(csrc: Path, namespace: str) -> Callable[..., torch.Tensor]:
-    """linear_bf16.cpp from `csrc`, its library renamed to `namespace`, built and loaded."""
+    """linear_bf16.cpp from `csrc` (with pointwise.cpp, whose SiLU it calls, where it
+    has one), its library renamed to `namespace`, built and loaded."""
     from torch.utils.cpp_extension import load
 
-    source = (csrc / "linear_bf16.cpp").read_text()
-    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
-        source = source.replace(f"{macro}(kiln_cpu,", f"{macro}({namespace},")
-    if 'm.def("linear_packed' not in source:  # today's sources: the schema is Python's
+    names = [n for n in ("linear_bf16.cpp", "pointwise.cpp") if (csrc / n).exists()]
+    sources = {n: _renamed((csrc / n).read_text(), namespace) for n in names}
+    if 'm.def("linear_packed' not in sources["linear_bf16.cpp"]:  # the schemas are Python's
         _libraries.append(torch.library.Library(namespace, "FRAGMENT"))
-        _libraries[-1].define(SCHEMAS[0])
-    digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+        for schema in SCHEMAS if len(names) > 1 else SCHEMAS[:1]:
+            _libraries[-1].define(schema)
+    digest = hashlib.sha256("".join(sources.values()).encode()).hexdigest()[:12]
     work = Path(tempfile.gettempdir()) / f"kiln_linear_ab_{namespace}_{digest}"
     work.mkdir(exist_ok=True)
     for header in csrc.glob("*.h"):
         (work / header.name).write_bytes(header.read_bytes())
-    (work / "linear_bf16.cpp").write_text(source)
+    for name, source in sources.items():
+        (work / name).write_text(source)
     flags = cpu_kernels.cflags(cpu_kernels.isa_class())
-    load(f"{namespace}_ops", sources=[str(work / "linear_bf16.cpp")], extra_cflags=flags,
+    load(f"{namespace}_ops", sources=[str(work / n) for n in names], extra_cflags=flags,
          extra_ldflags=["-fopenmp"], build_directory=str(work), is_python_module=False)
     ops = getattr(torch.ops, namespace)
     if cpu_kernels.isa_class() == "amx" and torch.cpu._init_amx():
         ops.set_amx(True, 1)  # tiles from one row on: the path large batches take
     op = ops.linear_packed
     return lambda x, wp: op(x, wp, None, None, 0)
+
+
+def _renamed(source: str, namespace: str) -> str:
+    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_FRAGMENT", "TORCH_LIBRARY_IMPL"):
+        source = source.replace(f"{macro}(kiln_cpu,", f"{macro}({namespace},")
+    return source
 
 
 def per_call_ms(fn: Callable[[], object], iters: int) -> float:

@@ -101,11 +101,12 @@ inline void step_2x2(const void* a0, const void* a1, int64_t as, const void* b0,
 // 2a + b: row tile a x block b; store_tiles reads them out). `ahead` > 0 prefetches the
 // weight tiles that many chunks ahead, for weights that stream from memory (1-4 rows:
 // ~25% faster); for weights already in L2 the prefetches only take load slots (the packed
-// linear at 512-2,000 rows ran 1.07-1.25x faster without them). configure_gemm comes
-// first.
+// linear at 512-2,000 rows ran 1.07-1.25x faster without them). `between(kc)` runs after
+// chunk kc's products are issued (AmxPipeline's epilogue rows). configure_gemm comes first.
+template <class Between>
 inline void gemm_tile_run(const uint16_t* x0, const uint16_t* x1, int64_t xs,
                           const uint16_t* w0, const uint16_t* w1, bool second, bool pair,
-                          int64_t chunks, int64_t ahead) {
+                          int64_t chunks, int64_t ahead, Between between) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int64_t kc = 0; kc < chunks; ++kc) {
     if (ahead > 0) {
@@ -117,6 +118,7 @@ inline void gemm_tile_run(const uint16_t* x0, const uint16_t* x1, int64_t xs,
       }
     }
     step_2x2(x0 + kc * 32, x1 + kc * 32, xs, w0 + kc * 512, w1 + kc * 512, 64, second, pair);
+    between(kc);
   }
 }
 
@@ -127,31 +129,50 @@ inline void store_tiles(float (*c)[16][16]) {
 }
 
 // One 32-row x 2-block tile's place in y, and its fp32 results (the accumulator tiles).
+// Its rows r in [0, rows0 + rows1) are row r % 16 of row tile r / 16 (rows1 > 0 only
+// when rows0 = 16), row m0 + r of y.
 struct AmxBlock {
   int64_t m0 = 0, rows0 = 0, rows1 = 0, nb = 0;
   bool pair = false;
   alignas(64) float c[4][16][16];
 };
 
-// A thread's tiles in order, software-pipelined: block i's tile products are issued, then
-// block i - 1's epilogue runs (vector work the core does while the tile unit computes),
-// then block i's accumulators are stored. Done in order (store, epilogue, next block), the
-// core waited on every block's last products before its epilogue and the tiles idled
-// through it, a large share at K = 576 (18 chunks a block). With the prefetch change in
-// amx_gemm, SmolLM2's four shapes on a 2-vCPU Xeon (amx, benchmarks/linear_ab.py):
-// 1.02-1.40x at 2-2,000 rows, now at or ahead of oneDNN's bf16 GEMM at every count.
-// `Epilogue` is called with each finished block (linear_bf16_amx.h, linear_quant_bf16.cpp).
+// A thread's tiles in order, software-pipelined: block i's products are issued with block
+// i - 1's epilogue (vector work) a few rows after each 32-deep chunk, then block i's
+// accumulators are stored. `Epilogue` is called as epilogue(block, r0, r1) for rows
+// [r0, r1) of a finished block (linear_bf16_amx.h, linear_quant_bf16.cpp).
+//   * Done in order (store, epilogue, next block), the core waited on every block's last
+//     products before its epilogue and the tiles idled through it, a large share at
+//     K = 576 (18 chunks a block).
+//   * Run whole after a block's products were issued, the epilogue's ~500 instructions
+//     filled the reorder buffer behind the tile products, and the next block's products
+//     waited for them: at K = 576 the GEMMs ran 1.3x faster with no epilogue at all
+//     (2-vCPU Xeon, amx). Spread over the chunks, each piece fits beside one chunk's
+//     four products (64 cycles of tile work): SmolLM2's shapes at 2,000 rows ran
+//     1.04-1.21x faster (SwiGLU's gate_up the most), with the same bits.
 template <class Epilogue>
 class AmxPipeline {
  public:
   explicit AmxPipeline(Epilogue epilogue) : epilogue_(epilogue) {}
 
-  // Block (m0, nb) has been computed into the accumulator tiles: run the previous block's
-  // epilogue, then store this one's results.
-  void finish(int64_t m0, int64_t rows0, int64_t rows1, int64_t nb, bool pair) {
+  // Block (m0, nb) of rb's rows: gemm_tile_run's products with the pending block's
+  // epilogue spread over the chunks, then this block's results stored.
+  void run(const uint16_t* x0, const uint16_t* x1, int64_t xs, const uint16_t* w0,
+           const uint16_t* w1, int64_t chunks, int64_t ahead, int64_t m0,
+           const GemmRows& rb, int64_t nb, bool pair) {
+    const AmxBlock& prev = blocks_[next_ ^ 1];
+    const int64_t rows = pending_ ? prev.rows0 + prev.rows1 : 0;
+    const int64_t step = (rows + chunks - 1) / chunks;
+    int64_t done = 0;
+    gemm_tile_run(x0, x1, xs, w0, w1, rb.rows1 > 0, pair, chunks, ahead, [&](int64_t) {
+      if (done < rows) {
+        const int64_t end = std::min(rows, done + step);
+        epilogue_(prev, done, end);
+        done = end;
+      }
+    });
     AmxBlock& cur = blocks_[next_];
-    if (pending_) epilogue_(blocks_[next_ ^ 1]);
-    cur.m0 = m0, cur.rows0 = rows0, cur.rows1 = rows1, cur.nb = nb, cur.pair = pair;
+    cur.m0 = m0, cur.rows0 = rb.rows0, cur.rows1 = rb.rows1, cur.nb = nb, cur.pair = pair;
     store_tiles(cur.c);
     pending_ = true;
     next_ ^= 1;
@@ -159,7 +180,8 @@ class AmxPipeline {
 
   // The last block's epilogue; before the tiles are reconfigured or released.
   void flush() {
-    if (pending_) epilogue_(blocks_[next_ ^ 1]);
+    const AmxBlock& prev = blocks_[next_ ^ 1];
+    if (pending_) epilogue_(prev, 0, prev.rows0 + prev.rows1);
     pending_ = false;
   }
 
@@ -187,14 +209,13 @@ struct SiluEpilogue {
     return kiln_isa::round_bf16(v);
   }
 
-  void operator()(const AmxBlock& t) const {
-    const int64_t rows[2] = {t.rows0, t.rows1}, I = half * 16;
-    for (int a = 0; a < 2; ++a)
-      for (int64_t i = 0; i < rows[a]; ++i)
-        kiln_isa::store_bf16(y + (t.m0 + a * 16 + i) * I + t.nb * 16,
-                             kiln_isa::silu_mul(rounded(t.c[a * 2][i], t.nb * 16),
-                                                rounded(t.c[a * 2 + 1][i],
-                                                        (t.nb + half) * 16)));
+  void operator()(const AmxBlock& t, int64_t r0, int64_t r1) const {
+    const int64_t I = half * 16;
+    for (int64_t r = r0; r < r1; ++r)
+      kiln_isa::store_bf16(y + (t.m0 + r) * I + t.nb * 16,
+                           kiln_isa::silu_mul(rounded(t.c[r / 16 * 2][r % 16], t.nb * 16),
+                                              rounded(t.c[r / 16 * 2 + 1][r % 16],
+                                                      (t.nb + half) * 16)));
   }
 };
 

@@ -10,25 +10,27 @@
 
 namespace {
 
-// y for block `t`: bias added, rounded to bf16. Row by row, both blocks of a row together:
-// one whole cache line of y when `pair`. Block by block, at a row stride that is a multiple
-// of 2 KiB (gate_up's 3,072 columns: 6 KiB) the rows shared two L1 sets, and a line written
-// half was evicted before its other half.
+// y for rows [r0, r1) of block `t`: bias added, rounded to bf16. Row by row, both blocks
+// of a row together: one 64-byte store, a whole cache line of y, when `pair`. Block by
+// block, at a row stride that is a multiple of 2 KiB (gate_up's 3,072 columns: 6 KiB) the
+// rows shared two L1 sets, and a line written half was evicted before its other half.
 struct BiasEpilogue {
   const c10::BFloat16* bias;
   c10::BFloat16* y;
   int64_t N;
 
-  void operator()(const kiln_amx::AmxBlock& t) const {
-    const int64_t rows[2] = {t.rows0, t.rows1};
-    const int nbs = t.pair ? 2 : 1;
+  void operator()(const kiln_amx::AmxBlock& t, int64_t r0, int64_t r1) const {
     const __m512 bv[2] = {bias16(bias, t.nb * 16),
                           t.pair ? bias16(bias, t.nb * 16 + 16) : kiln_isa::zero()};
-    for (int a = 0; a < 2; ++a)
-      for (int64_t i = 0; i < rows[a]; ++i)
-        for (int b = 0; b < nbs; ++b)
-          store_bf16(y + (t.m0 + a * 16 + i) * N + (t.nb + b) * 16,
-                     kiln_isa::add(_mm512_load_ps(t.c[a * 2 + b][i]), bv[b]));
+    for (int64_t r = r0; r < r1; ++r) {
+      c10::BFloat16* row = y + (t.m0 + r) * N + t.nb * 16;
+      const float(*c)[16][16] = t.c + r / 16 * 2;  // this row's tiles: block 0, block 1
+      const __m512 lo = kiln_isa::add(_mm512_load_ps(c[0][r % 16]), bv[0]);
+      if (t.pair)
+        kiln_isa::store_bf16x2(row, lo, kiln_isa::add(_mm512_load_ps(c[1][r % 16]), bv[1]));
+      else
+        store_bf16(row, lo);
+    }
   }
 };
 
@@ -63,10 +65,8 @@ void amx_gemm(const uint16_t* x, const uint16_t* wp, int64_t M, int64_t K, int64
           for (int64_t p = g; p < g_end; ++p) {
             const int64_t b0 = kSilu ? p : 2 * p, b1 = kSilu ? p + pairs : 2 * p + 1;
             const bool pair = b1 < blocks;
-            kiln_amx::gemm_tile_run(x0, x0 + 16 * K, K * 2, wp + b0 * chunks * 512,
-                                    wp + b1 * chunks * 512, rb.rows1 > 0, pair, chunks,
-                                    m0 == pass ? kAhead : 0);
-            pipe.finish(m0, rb.rows0, rb.rows1, kSilu ? p : b0, pair);
+            pipe.run(x0, x0 + 16 * K, K * 2, wp + b0 * chunks * 512, wp + b1 * chunks * 512,
+                     chunks, m0 == pass ? kAhead : 0, m0, rb, kSilu ? p : b0, pair);
           }
         }
       }

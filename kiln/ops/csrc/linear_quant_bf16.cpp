@@ -109,16 +109,13 @@ template <int F>
 struct QuantEpilogue {
   const QArgs* a;
 
-  void operator()(const kiln_amx::AmxBlock& t) const {
-    const int64_t rows[2] = {t.rows0, t.rows1};
-    for (int h = 0; h < 2; ++h)
+  void operator()(const kiln_amx::AmxBlock& t, int64_t r0, int64_t r1) const {
+    for (int64_t r = r0; r < r1; ++r)
       for (int b = 0; b < (t.pair ? 2 : 1); ++b) {
         const int64_t col = (t.nb + b) * 16;
-        for (int64_t i = 0; i < rows[h]; ++i) {
-          V16 v = kiln_isa::loadu(t.c[h * 2 + b][i]);
-          if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a->scale32 + col));
-          store_out(*a, t.m0 + h * 16 + i, col, finish(*a, v, col));
-        }
+        V16 v = kiln_isa::loadu(t.c[r / 16 * 2 + b][r % 16]);
+        if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a->scale32 + col));
+        store_out(*a, t.m0 + r, col, finish(*a, v, col));
       }
   }
 };
@@ -161,9 +158,8 @@ void amx_panel_gemm(const QArgs& a, const uint16_t* x, Epilogue epilogue) {
           const uint16_t* x0 = x + m * a.K;
           for (int64_t j = 0; j < np; j += 2) {
             const bool two = j + 1 < np;
-            kiln_amx::gemm_tile_run(x0, x0 + 16 * a.K, a.K * 2, panel(j),
-                                    panel(two ? j + 1 : j), rb.rows1 > 0, two, chunks, 0);
-            pipe.finish(m, rb.rows0, rb.rows1, kSilu ? u + j / 2 : u + j, two);
+            pipe.run(x0, x0 + 16 * a.K, a.K * 2, panel(j), panel(two ? j + 1 : j), chunks, 0,
+                     m, rb, kSilu ? u + j / 2 : u + j, two);
           }
         }
       }

@@ -70,6 +70,16 @@ inline void store_bf16(void* p, V16 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 }
 
+// Two vectors -> 32 bf16 (lo's first), one 64-byte store: the same bits as two store_bf16.
+inline void store_bf16x2(void* p, V16 lo, V16 hi) {
+#ifdef __AVX512BF16__
+  _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+  store_bf16(p, lo);
+  store_bf16(static_cast<char*>(p) + 32, hi);
+#endif
+}
+
 // fp32 -> bf16 -> fp32: where a separate op's bf16 output would have rounded (the AMX
 // GEMMs' fused SwiGLU epilogues round each half first). AVX512 builds only.
 inline V16 round_bf16(V16 v) { return widen_bf16(to_bf16(v)); }
