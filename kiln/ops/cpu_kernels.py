@@ -56,10 +56,11 @@ HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "amx.h", "linear_bf16_amx.h")]
 # The instructions each ISA class's build may use (kiln.platforms.cpu names the classes).
 ISA_FLAGS = {
-    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16",
-            "-mamx-tile", "-mamx-bf16"],
-    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"],
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"],
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+            "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                    "-mavx512bf16"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
 LIB_NAME = "kiln_cpu_ops"

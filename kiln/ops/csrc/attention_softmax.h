@@ -50,6 +50,13 @@ inline float exp_pass(float* s, uint16_t* pb, int64_t a, int64_t b, int64_t n16,
     put(j, e);
     j += 16;
   }
+  if constexpr (isa::kNativeBf16) {  // whole pairs of vectors: one 64-byte store of P
+    for (; j + 32 <= b; j += 32) {
+      const V16 e0 = exp_at(j), e1 = exp_at(j + 16);
+      sum = isa::add(sum, isa::add(e0, e1));
+      isa::store_bf16x2(pb + j, e0, e1);
+    }
+  }
   for (; j + 16 <= b; j += 16) {  // whole vectors: no masks
     const V16 e = exp_at(j);
     sum = isa::add(sum, e);

@@ -111,6 +111,12 @@ inline void store_bf16(void* p, V16 v) {
                       _mm256_permute4x64_epi64(packed, 0xd8));
 }
 
+// Two vectors' bf16, 32 values (not called: AVX2 builds keep P in fp32).
+inline void store_bf16x2(void* p, V16 lo, V16 hi) {
+  store_bf16(p, lo);
+  store_bf16(static_cast<char*>(p) + 32, hi);
+}
+
 // Lane i of the result is the sum of s[i]'s lanes, for 8 vectors.
 inline __m256 reduce8(const __m256* s) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));

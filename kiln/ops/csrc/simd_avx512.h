@@ -28,7 +28,11 @@ inline float reduce_max(V16 v) { return _mm512_reduce_max_ps(v); }
 inline V16 round_nearest(V16 v) {
   return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
-inline V16 scale_pow2(V16 y, V16 n) { return _mm512_scalef_ps(y, n); }
+inline V16 scale_pow2(V16 y, V16 n) { return _mm512_scalef_ps(y, n); }  // y * 2^floor(n)
+// t - floor(t), in [0, 1): one vreduceps (AVX512DQ, which every AVX512 class has).
+inline V16 floor_fraction(V16 t) {
+  return _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
 
 inline Mask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<Mask16>(0xffff) : static_cast<Mask16>((1u << n) - 1);
