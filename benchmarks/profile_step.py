@@ -9,7 +9,7 @@ best of `--steps`) with torch.profiler and prints milliseconds per step by categ
              whatever runs inside them (a per-call weight copy shows here, and by name
              on the "inside linear" line)
   attention  the attention op, including what runs inside it
-  pointwise  kiln's own SiLU-and-mul and RoPE kernels (bf16 on the CPU)
+  pointwise  kiln's own SiLU-and-mul, RoPE and add-RMSNorm kernels (bf16 on the CPU)
   compiled   the rest of the compiled graph (Inductor's fused norms, RoPE, SiLU, adds)
   sampling   the sampler's argmax (kiln's greedy kernel or ATen's) / top-k / sort
   other      everything else: engine Python (scheduler, input preparation, detokenizer)
@@ -33,7 +33,8 @@ TOTAL_OPS = {"linear": ("kiln_cpu::linear_packed", "kiln_cpu::linear_quant",
                         "aten::linear", "aten::matmul", "aten::mm",
                         "aten::addmm", "mkldnn::_linear_pointwise"),
              "attention": ("kiln::unified_attention", "kiln_cpu::unified_attention"),
-             "pointwise": ("kiln_cpu::silu_and_mul", "kiln_cpu::rotary_embedding"),
+             "pointwise": ("kiln_cpu::silu_and_mul", "kiln_cpu::rotary_embedding",
+                           "kiln_cpu::add_rms_norm"),
              "sampling": ("kiln_cpu::greedy_argmax", "aten::argmax", "aten::topk",
                           "aten::sort")}
 

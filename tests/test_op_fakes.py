@@ -50,6 +50,10 @@ def test_cpu_linear_fakes(m):
                         bias.to(torch.bfloat16))
     logits = torch.randn(m, 1000, generator=g).to(torch.bfloat16)
     assert_fake_matches(torch.ops.kiln_cpu.greedy_argmax.default, logits)
+    h, d = (torch.randn(m, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    for i in range(2):  # each of the (h, norm) pair
+        assert_fake_matches(lambda *a: torch.ops.kiln_cpu.add_rms_norm.default(*a)[i],
+                            h, d, torch.randn(64, generator=g).to(torch.bfloat16), 1e-5)
 
 
 @pytest.mark.parametrize("m", ROWS)

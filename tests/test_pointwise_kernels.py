@@ -1,12 +1,12 @@
-"""kiln's bf16 SiLU-and-mul and RoPE kernels (csrc/pointwise.cpp) against the expressions
-they replace, and the fp32 path, which must stay the reference's own math."""
+"""kiln's bf16 SiLU-and-mul, RoPE and add-RMSNorm kernels (csrc/pointwise.cpp) against the
+expressions they replace, and the fp32 path, which must stay the reference's own math."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.models.layers import RotaryEmbedding, SiluAndMul
+from kiln.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from kiln.ops import pointwise
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_loaded")
@@ -75,3 +75,44 @@ def test_rope_refuses_a_position_outside_its_cache_and_keeps_fp32_math():
     got_q, _ = rope(pos, q32, k32)
     cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
     assert torch.equal(got_q, q32 * cos + pointwise._rotate_half(q32) * sin)
+
+
+def bf16_norm(hidden: int, seed: int) -> RMSNorm:
+    torch.manual_seed(seed)
+    norm = RMSNorm(hidden, 1e-5).to(torch.bfloat16).requires_grad_(False)
+    norm.weight.data = torch.randn(hidden).to(torch.bfloat16)
+    return norm
+
+
+# 2,000 rows: split across threads; 1 and 3: one thread; 4,096 wide: a large model's rows.
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (2000, 576), (40, 4096)])
+def test_add_rms_norm_rounds_where_the_reference_does(rows, hidden):
+    norm = bf16_norm(hidden, rows)
+    x = (torch.randn(rows, hidden) * 3).to(torch.bfloat16)
+    d = torch.randn(rows, hidden).to(torch.bfloat16)
+    h, out = norm.forward_add(x, d)
+    assert torch.equal(h, x + d)  # the bf16 add, bit for bit
+    want = norm(x + d)  # the reference's expression (float32 norm, bf16 scale)
+    # The sum of squares is added in another order: the normalised value may round the
+    # other way next to a rounding boundary, one bf16 step, which the weight's product
+    # carries into at most two steps of the output.
+    assert bool(((out.float() - want.float()).abs() <= 2 * bf16_ulp(want.float())).all())
+    assert (out == want).float().mean() > 0.999
+
+
+def test_add_rms_norm_is_the_same_on_one_thread_and_keeps_fp32_math():
+    norm = bf16_norm(576, 7)
+    x, d = (torch.randn(2000, 576).to(torch.bfloat16) for _ in range(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = norm.forward_add(x, d)
+        torch.set_num_threads(2)
+        two = norm.forward_add(x, d)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    norm32 = RMSNorm(576, 1e-5).requires_grad_(False)
+    x32, d32 = x.float(), d.float()
+    h32, out32 = norm32.forward_add(x32, d32)  # fp32: not the kernel, the same expressions
+    assert torch.equal(h32, x32 + d32) and torch.equal(out32, norm32(x32 + d32))

@@ -8,7 +8,7 @@ from torch import nn
 
 from kiln.ops.linear import linear, linear_silu
 from kiln.ops.lora import add_lora
-from kiln.ops.pointwise import rotary_neox, silu_and_mul
+from kiln.ops.pointwise import add_rms_norm_applies, rotary_neox, silu_and_mul
 
 
 class LinearMethod:
@@ -78,6 +78,20 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def forward_add(self, x: torch.Tensor, d: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + d, self(x + d)): a residual add and the norm after it. bf16 on the CPU is
+        one kernel (kiln_cpu::add_rms_norm, threaded at prefill sizes: Inductor builds its
+        fused kernels single-threaded on small hosts, kiln/compiler/build.py)."""
+        if (add_rms_norm_applies(x) and d.shape == x.shape and d.dtype == x.dtype
+                and self.weight.dtype == x.dtype):
+            h, out = torch.ops.kiln_cpu.add_rms_norm(x.reshape(-1, x.shape[-1]),
+                                                     d.reshape(-1, x.shape[-1]),
+                                                     self.weight, self.eps)
+            return h.view(x.shape), out.view(x.shape)
+        h = x + d
+        return h, self(h)
 
 
 class RotaryEmbedding(nn.Module):

@@ -100,9 +100,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor, delta: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream is h + delta (kiln.models.layers.DecoderLayers)."""
-        h = h + delta
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h, self.mlp(self.post_attention_layernorm(h))
+        h, x = self.input_layernorm.forward_add(h, delta)
+        h, x = self.post_attention_layernorm.forward_add(h, self.self_attn(positions, x))
+        return h, self.mlp(x)
 
 
 class LlamaModel(nn.Module):

@@ -26,6 +26,7 @@ SCHEMAS = (
     "silu_and_mul(Tensor x) -> Tensor",
     ("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) "
      "-> (Tensor, Tensor)"),
+    "add_rms_norm(Tensor x, Tensor d, Tensor weight, float eps) -> (Tensor, Tensor)",
     # The scale comes with the batch (per layer), not as an argument: Dynamo may turn a
     # float module attribute into a symbolic input, which a C++ op cannot take. The layer
     # index is a one-element tensor (a buffer of the layer), not an int: an int would be
@@ -98,3 +99,8 @@ def _register_fakes() -> None:
                                cos: torch.Tensor, sin: torch.Tensor
                                ) -> tuple[torch.Tensor, torch.Tensor]:
         return q.new_empty(q.shape), k.new_empty(k.shape)
+
+    @torch.library.register_fake("kiln_cpu::add_rms_norm")
+    def _add_rms_norm_fake(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape), x.new_empty(x.shape)

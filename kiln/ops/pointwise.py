@@ -3,6 +3,8 @@ rounding, threads only at prefill sizes), the plain expressions elsewhere: fp32 
 reference's exact math, which Inductor fuses.
 
   silu_and_mul   SwiGLU's activation, silu(gate) * up over [..., 2I] (gate | up);
+  add_rms_norm   (applies to) a residual add and the RMSNorm after it (the op is called
+                 by kiln.models.layers.RMSNorm.forward_add, which owns the norm's math);
   rotary_neox    Neox-style RoPE of q [T, H, D] and k [T, Hk, D] from float32 cos / sin
                  caches [P, D] (cast to the activations' dtype, as the reference does).
 """
@@ -19,6 +21,12 @@ ROPE_MAX_HEAD_DIM = 512  # csrc/pointwise.cpp's kMaxHeadDim: its cos / sin rows 
 
 def kernel_applies(x: torch.Tensor) -> bool:
     return cpu_kernels.planned() and x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
+def add_rms_norm_applies(x: torch.Tensor) -> bool:
+    """Whether kiln_cpu::add_rms_norm takes a residual add and RMSNorm over x (the caller,
+    kiln.models.layers.RMSNorm, checks the other operands)."""
+    return kernel_applies(x) and x.shape[-1] % 16 == 0
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

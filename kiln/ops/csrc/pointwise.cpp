@@ -1,14 +1,16 @@
-// Two bf16 pointwise steps of a decoder layer, each computed in fp32 and rounded once (what
-// Inductor's fused kernels compute):
+// Three bf16 pointwise steps of a decoder layer, computed in fp32 and rounded where the
+// reference's bf16 tensors round:
 //   kiln_cpu::silu_and_mul       SwiGLU's activation: [T, 2I] (gate | up) -> [T, I];
-//   kiln_cpu::rotary_embedding   Neox-style RoPE of q [T, H, D] and k [T, Hk, D].
+//   kiln_cpu::rotary_embedding   Neox-style RoPE of q [T, H, D] and k [T, Hk, D];
+//   kiln_cpu::add_rms_norm       the residual add and the RMSNorm after it: (x + d,
+//                                w * norm(x + d)) over [T, H].
 //
 // Why they exist: kiln builds Inductor's fused kernels single-threaded on small hosts
 // (kiln/compiler/build.py: a decode step's 120 OpenMP forks cost more than a second
-// thread gains there), and at prefill sizes these two were the largest of them: 2,000
+// thread gains there), and at prefill sizes these were the largest of them: 2,000
 // tokens of SmolLM2 spent 92 ms (SiLU) and 47 ms (RoPE) of a 640 ms prefill in them (Xeon,
-// AMX). Here the rows are split across threads only when there are enough of them (a
-// decode step stays on one thread). SiLU's exp is simd.h's polynomial rather than a
+// AMX), and later about 11% of a 0.4 s prefill in the norms. Here the rows are split
+// across threads only when there are enough of them (a decode step stays on one thread). SiLU's exp is simd.h's polynomial rather than a
 // libm-accurate one: the result is rounded to bf16 (2^-9) and the polynomial is within
 // 3e-6.
 #include <ATen/core/Tensor.h>
@@ -16,6 +18,7 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <atomic>
+#include <cmath>
 #include <tuple>
 
 #include "simd.h"
@@ -136,7 +139,51 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   return {qo, ko};
 }
 
+namespace {
+
+// One row of H (a multiple of 16): h = bf16(x + d); out = bf16(w * bf16(h * r)) with
+// r = 1 / sqrt(mean(h^2) + eps) over the bf16 h in fp32: RMSNorm's rounding points
+// (kiln/models/layers.py), the sum of squares in another order than torch's.
+void add_rms_norm_row(const c10::BFloat16* x, const c10::BFloat16* d,
+                      const c10::BFloat16* w, c10::BFloat16* h, c10::BFloat16* out,
+                      int64_t H, float eps) {
+  V16 squares = isa::zero();
+  for (int64_t j = 0; j < H; j += 16) {
+    const V16 v = isa::round_bf16(isa::add(isa::load_bf16(x + j), isa::load_bf16(d + j)));
+    isa::store_bf16(h + j, v);  // exact: v is a bf16 value
+    squares = isa::fmadd(v, v, squares);
+  }
+  const V16 r = isa::set1(1.f / std::sqrt(isa::reduce_add(squares) / H + eps));
+  for (int64_t j = 0; j < H; j += 16)
+    isa::store_bf16(out + j, isa::mul(isa::load_bf16(w + j),
+                                      isa::round_bf16(isa::mul(isa::load_bf16(h + j), r))));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& d,
+                                                const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && d.scalar_type() == at::kBFloat16 &&
+                  w.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.sizes() == d.sizes() &&
+                  w.dim() == 1 && w.size(0) == x.size(1) && x.size(1) % 16 == 0,
+              "add_rms_norm: bf16 x and d [T, H], weight [H], H % 16 == 0");
+  const auto xc = x.contiguous(), dc = d.contiguous(), wc = w.contiguous();
+  const int64_t T = xc.size(0), H = xc.size(1);
+  auto h = at::empty({T, H}, xc.options()), out = at::empty({T, H}, xc.options());
+  const auto *xp = xc.data_ptr<c10::BFloat16>(), *dp = dc.data_ptr<c10::BFloat16>();
+  const auto* wp = wc.data_ptr<c10::BFloat16>();
+  auto *hp = h.data_ptr<c10::BFloat16>(), *op = out.data_ptr<c10::BFloat16>();
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(H, 1));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      add_rms_norm_row(xp + t * H, dp + t * H, wp, hp + t * H, op + t * H, H,
+                       static_cast<float>(eps));
+  });
+  return {h, out};
+}
+
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
 }

@@ -15,14 +15,15 @@
 //   fnmadd (c-a*b), max, min, reduce_add, reduce_max, round_nearest,
 //   scale_pow2 (y * 2^n, n integral; AVX512: 2^floor(n) for any n);
 //   first_lanes(n) (lanes < n), lanes_between(lo, hi), max_masked, zero_unmasked;
-//   load_bf16 / store_bf16 (16 values, round to nearest even);
+//   load_bf16 / store_bf16 (16 values, round to nearest even), round_bf16 (fp32 -> bf16
+//   -> fp32);
 //   reduce16(v): lane i = sum of v[kReduceOrder[i]]'s lanes;
 //   WRow / Pair / load_wrow / load_pair / dot: one 64-byte row of a packed weight tile
 //   (16 columns x a (k, k+1) pair) against one input row's pair, into a V16 of sums;
 //   kNativeBf16 (load_pair reads the bf16 row, else its fp32 copy);
 //   kGemmRows x kGemmBlocks: the linear's register tile (rows x 16-column blocks).
-// AVX512 builds also: widen_bf16, round_bf16 (fp32 -> bf16 -> fp32), floor_fraction
-// (t - floor(t)), store_bf16x2 (two vectors, one 64-byte store).
+// AVX512 builds also: widen_bf16, floor_fraction (t - floor(t)); store_bf16x2 (two
+// vectors, one 64-byte store on AVX512).
 // Below them, written once for all: exp2, exp2_bf16, silu_mul, and line-aligned scratch
 // (Aligned64, AlignedVector, aligned_buffer).
 #pragma once

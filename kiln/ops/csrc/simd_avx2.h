@@ -103,6 +103,11 @@ inline __m256i round_bf16_8(__m256 v) {
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
 }
+// fp32 -> bf16 -> fp32 (the bits a bf16 tensor would hold, widened back).
+inline V16 round_bf16(V16 v) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(round_bf16_8(v.lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(round_bf16_8(v.hi), 16))};
+}
 inline void store_bf16(void* p, V16 v) {
   // packus works per 128-bit lane ([lo0-3, hi0-3, lo4-7, hi4-7]); the permute restores
   // the order. Every value is below 2^16, so the unsigned saturation never clips.
