@@ -5,7 +5,7 @@ Runs the default model (CLI defaults unless flags say otherwise), warms up, then
 best of `--steps`) with torch.profiler and prints milliseconds per step by category:
 
   linear     weight matmuls (kiln's packed kernel, aten mm/addmm/linear, oneDNN; a gate_up
-             GEMM with its SiLU fused counts here whole), with
+             GEMM with its SiLU or the QKV GEMM with its RoPE fused counts here whole), with
              whatever runs inside them (a per-call weight copy shows here, and by name
              on the "inside linear" line)
   attention  the attention op, including what runs inside it
@@ -30,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 # again.
 TOTAL_OPS = {"linear": ("kiln_cpu::linear_packed", "kiln_cpu::linear_quant",
                         "kiln_cpu::linear_packed_silu", "kiln_cpu::linear_quant_silu",
+                        "kiln_cpu::linear_packed_rope",
                         "aten::linear", "aten::matmul", "aten::mm",
                         "aten::addmm", "mkldnn::_linear_pointwise"),
              "attention": ("kiln::unified_attention", "kiln_cpu::unified_attention"),

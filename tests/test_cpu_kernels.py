@@ -18,10 +18,10 @@ from kiln.attention.backend import AttentionLayerSpec
 from kiln.attention.backends.cpu_paged import CpuPagedBackend
 from kiln.attention.backends.torch_paged import TorchPagedBackend
 from kiln.attention.selector import select_backend
-from kiln.models.layers import Linear
+from kiln.models.layers import Linear, RotaryEmbedding
 from kiln.models.packing import pack_linears
 from kiln.ops import cpu_kernels, cpu_paths
-from kiln.ops.linear import linear, linear_silu, pack
+from kiln.ops.linear import linear, linear_rope, linear_silu, pack
 from kiln.platforms.cpu import host_isa, isa_class
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels_loaded")
@@ -83,6 +83,35 @@ def test_fused_gate_up_activation_is_the_same_bits_as_two_steps(m, inter, k, amx
                            torch.ops.kiln_cpu.silu_and_mul(F.linear(x, w)))
         layer.packed_weight = pack(w)
         assert torch.equal(layer.silu_and_mul(x), want)
+
+
+@pytest.mark.parametrize("m", [1, 17, 70, 300])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (2, 1, 32)])
+def test_qkv_gemm_with_rope_is_the_same_bits_as_two_steps(m, heads, kv_heads, head_dim, amx):
+    """linear_rope (RoPE on q's and k's columns in the QKV GEMM's epilogue on tiles) equals
+    the packed linear, bias included, followed by rotary_embedding exactly, V untouched; a
+    position outside the cos / sin caches is refused on either path."""
+    g = torch.Generator().manual_seed(m + heads * head_dim)
+    n, k = (heads + 2 * kv_heads) * head_dim, 576
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (m,), generator=g)
+    y = linear(x, w, b, pack(w))
+    q, kk, v = y.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q, want_k = rope(positions, q.reshape(m, heads, head_dim),
+                          kk.reshape(m, kv_heads, head_dim))
+    got = linear_rope(x, w, b, pack(w), 0, positions, rope.cos, rope.sin,
+                      (heads + kv_heads) * head_dim)
+    got_q, got_k, got_v = got.split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    assert torch.equal(got_q.reshape(want_q.shape), want_q)
+    assert torch.equal(got_k.reshape(want_k.shape), want_k)
+    assert torch.equal(got_v, v)
+    with pytest.raises(RuntimeError, match="position 4096 outside the cache of 4096"):
+        linear_rope(x, w, b, pack(w), 0, torch.full((m,), 4096), rope.cos, rope.sin,
+                    (heads + kv_heads) * head_dim)
 
 
 def test_linear_tiles_run_from_the_amx_threshold():

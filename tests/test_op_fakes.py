@@ -48,6 +48,9 @@ def test_cpu_linear_fakes(m):
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     assert_fake_matches(torch.ops.kiln_cpu.linear_packed.default, x, pack(w),
                         bias.to(torch.bfloat16))
+    cos = torch.randn(64, 32, generator=g)  # heads of 32: 48 = one roped head, then V
+    assert_fake_matches(torch.ops.kiln_cpu.linear_packed_rope.default, x, pack(w),
+                        bias.to(torch.bfloat16), torch.arange(m), cos, cos, 32)
     logits = torch.randn(m, 1000, generator=g).to(torch.bfloat16)
     assert_fake_matches(torch.ops.kiln_cpu.greedy_argmax.default, logits)
     h, d = (torch.randn(m, 64, generator=g).to(torch.bfloat16) for _ in range(2))

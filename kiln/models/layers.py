@@ -6,9 +6,10 @@ import math
 import torch
 from torch import nn
 
-from kiln.ops.linear import linear, linear_silu
+from kiln.ops.linear import linear, linear_rope, linear_silu
 from kiln.ops.lora import add_lora
-from kiln.ops.pointwise import add_rms_norm_applies, rotary_neox, silu_and_mul
+from kiln.ops.pointwise import (add_rms_norm_applies, rope_kernel_applies, rotary_neox,
+                                silu_and_mul)
 
 
 class LinearMethod:
@@ -65,6 +66,19 @@ class Linear(nn.Linear):
         if self.bias is None and self.lora_a is None:
             return self.quant_method.silu_and_mul(self, x)
         return silu_and_mul(self(x))
+
+    def rope_fusable(self, x: torch.Tensor, rotary: RotaryEmbedding) -> bool:
+        """Whether `with_rope` is one kernel for x: the unquantized GEMM over a packed
+        weight, no adapter (it adds to the product before RoPE), kiln's RoPE kernel."""
+        return (not self.quant_method.quantized and self.packed_weight is not None
+                and self.lora_a is None and rope_kernel_applies(x, rotary.cos))
+
+    def with_rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                  rope_cols: int) -> torch.Tensor:
+        """self(x) with `rotary` applied to its first rope_cols columns (heads of its head
+        size): one kernel, where `rope_fusable` said so (kiln.ops.linear.linear_rope)."""
+        return linear_rope(x, self.weight, self.bias, self.packed_weight, self.dense_from,
+                           positions, rotary.cos, rotary.sin, rope_cols)
 
 
 class RMSNorm(nn.Module):

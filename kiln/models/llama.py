@@ -56,16 +56,22 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and not self.norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q = q.reshape(T, -1, self.head_dim)  # [T, heads, hd]
-        k = k.reshape(T, -1, self.head_dim)  # [T, kv_heads, hd]
-        if self.q_norm is not None and self.norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        if self.q_norm is None and self.clip_qkv is None and \
+                self.qkv_proj.rope_fusable(x, self.rotary):  # RoPE in the GEMM's epilogue
+            q, k, v = self.qkv_proj.with_rope(x, positions, self.rotary,
+                                              self.q_size + self.kv_size).split(sizes, dim=-1)
+        else:
+            q, k, v = self.qkv_proj(x).split(sizes, dim=-1)
+            if self.q_norm is not None and not self.norm_per_head:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.clip_qkv is not None:
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            q = q.reshape(T, -1, self.head_dim)  # [T, heads, hd]
+            k = k.reshape(T, -1, self.head_dim)  # [T, kv_heads, hd]
+            if self.q_norm is not None and self.norm_per_head:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size),
                         v.contiguous())
         return self.o_proj(out)

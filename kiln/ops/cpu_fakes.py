@@ -15,6 +15,8 @@ SCHEMAS = (
      "int dense_from=0) -> Tensor"),
     ("linear_packed_silu(Tensor x, Tensor wp, Tensor? dense=None, int dense_from=0) "
      "-> Tensor"),
+    ("linear_packed_rope(Tensor x, Tensor wp, Tensor? bias, Tensor positions, Tensor cos, "
+     "Tensor sin, int rope_cols, Tensor? dense=None, int dense_from=0) -> Tensor"),
     ("linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, "
      "int fmt, int panel_from) -> Tensor"),
     ("linear_quant_silu(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int fmt, "
@@ -55,6 +57,13 @@ def _register_fakes() -> None:
     def _linear_packed_fake(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None,
                             dense: torch.Tensor | None = None,
                             dense_from: int = 0) -> torch.Tensor:
+        return x.new_empty((x.shape[0], wp.shape[0] * 16))
+
+    @torch.library.register_fake("kiln_cpu::linear_packed_rope")
+    def _linear_packed_rope_fake(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None,
+                                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                 rope_cols: int, dense: torch.Tensor | None = None,
+                                 dense_from: int = 0) -> torch.Tensor:
         return x.new_empty((x.shape[0], wp.shape[0] * 16))
 
     @torch.library.register_fake("kiln_cpu::linear_packed_silu")

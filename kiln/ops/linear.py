@@ -53,6 +53,20 @@ def linear_silu(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
     return out.view(*lead, out.shape[-1])
 
 
+def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                packed: torch.Tensor, dense_from: int, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, rope_cols: int) -> torch.Tensor:
+    """`linear` over the packed weight with Neox RoPE on the first rope_cols columns
+    (q's then k's heads of cos.shape[1], from the float32 caches), in the GEMM's epilogue
+    where tiles run (csrc/linear_bf16_amx.h): the same bits as `linear` followed by
+    kiln.ops.pointwise.rotary_neox."""
+    lead = x.shape[:-1]
+    out = torch.ops.kiln_cpu.linear_packed_rope(x.reshape(-1, x.shape[-1]), packed, bias,
+                                                positions, cos, sin, rope_cols,
+                                                weight if dense_from else None, dense_from)
+    return out.view(*lead, out.shape[-1])
+
+
 def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, bias: torch.Tensor | None, fmt: int,
                  panel_from: int = 0) -> torch.Tensor:

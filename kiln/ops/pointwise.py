@@ -42,12 +42,18 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rope_kernel_applies(x: torch.Tensor, cos_cache: torch.Tensor) -> bool:
+    """Whether kiln's RoPE kernel rotates bf16 heads of cos_cache.shape[1] from x's dtype
+    (rotary_embedding, or in the QKV GEMM's epilogue: kiln.ops.linear.linear_rope)."""
+    head_dim = cos_cache.shape[-1]
+    return (kernel_applies(x) and head_dim % 32 == 0 and head_dim <= ROPE_MAX_HEAD_DIM
+            and cos_cache.dtype == torch.float32)
+
+
 def rotary_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 cos_cache: torch.Tensor, sin_cache: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if (kernel_applies(q) and k.dtype == q.dtype and q.shape[-1] % 32 == 0
-            and q.shape[-1] <= ROPE_MAX_HEAD_DIM
-            and cos_cache.dtype == torch.float32):
+    if rope_kernel_applies(q, cos_cache) and k.dtype == q.dtype:
         return torch.ops.kiln_cpu.rotary_embedding(positions, q, k, cos_cache, sin_cache)
     return rotary_neox_native(positions, q, k, cos_cache, sin_cache)
 

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <utility>
 
 #include "amx.h"
 #include "simd.h"
@@ -245,7 +246,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
   auto* yp = y.data_ptr<c10::BFloat16>();
 #ifdef __AMX_TILE__
   if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows) {
-    amx_gemm<false>(xp, wptr, M, K, N, BiasEpilogue{bp, yp, N});
+    amx_gemm(xp, wptr, M, K, Pairs{Pairing::kAdjacent, N / 16}, BiasEpilogue{bp, yp, N});
     return y;
   }
 #endif
@@ -285,13 +286,62 @@ at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& wp,
       wp.scalar_type() == at::kBFloat16 && wp.is_contiguous()) {
     auto y = at::empty({M, N / 2}, x.options());
     const auto xc = x.contiguous();
-    amx_gemm<true>(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
-                   reinterpret_cast<const uint16_t*>(wp.data_ptr()), M, K, N,
-                   kiln_amx::SiluEpilogue{reinterpret_cast<uint16_t*>(y.data_ptr()), N / 32});
+    amx_gemm(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
+             reinterpret_cast<const uint16_t*>(wp.data_ptr()), M, K,
+             Pairs{Pairing::kSilu, N / 16},
+             kiln_amx::SiluEpilogue{reinterpret_cast<uint16_t*>(y.data_ptr()), N / 32});
     return y;
   }
 #endif
   return silu_and_mul(linear_packed(x, wp, c10::nullopt, dense, dense_from));
+}
+
+void rope_columns_(at::Tensor& y, const at::Tensor& positions, const at::Tensor& cos,
+                   const at::Tensor& sin, int64_t rope_cols);  // pointwise.cpp
+
+// linear_packed(x, wp, bias) with Neox RoPE on its first rope_cols columns, heads of D =
+// cos.size(1) (q's heads then k's, from the float32 caches [P, D]), the same bits as the
+// linear followed by rotary_embedding. On tiles the rotation runs in the GEMM's epilogue
+// (RopeEpilogue): q and k are not written, read and written again, and no op call is
+// spent on them. Elsewhere the linear runs and the rotation follows in place.
+at::Tensor linear_packed_rope(const at::Tensor& x, const at::Tensor& wp,
+                              const c10::optional<at::Tensor>& bias,
+                              const at::Tensor& positions, const at::Tensor& cos,
+                              const at::Tensor& sin, int64_t rope_cols,
+                              const c10::optional<at::Tensor>& dense, int64_t dense_from) {
+  const int64_t M = x.size(0), K = wp.size(1) * 32, N = wp.size(0) * 16, D = cos.size(1);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  sin.sizes() == cos.sizes() && D % 32 == 0 && rope_cols % D == 0 &&
+                  rope_cols <= N && positions.numel() == M,
+              "linear_packed_rope: float32 cos / sin caches [P, D], D % 32 == 0, rope_cols "
+              "whole heads of the output, one position per row");
+#ifdef __AMX_TILE__
+  if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows &&
+      !dense_rows(dense, dense_from, M) && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+      x.size(1) == K && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous()) {
+    const auto pos = positions.to(at::kLong).contiguous();
+    const auto* pp = pos.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m)  // the epilogue reads the caches' rows unchecked
+      TORCH_CHECK(pp[m] >= 0 && pp[m] < cos.size(0), "linear_packed_rope: position ", pp[m],
+                  " outside the cache of ", cos.size(0), " positions");
+    c10::optional<at::Tensor> b;
+    if (bias.has_value() && bias->defined()) b = bias->to(at::kBFloat16).contiguous();
+    auto y = at::empty({M, N}, x.options());
+    const auto xc = x.contiguous();
+    const BiasEpilogue plain{b ? b->data_ptr<c10::BFloat16>() : nullptr,
+                             y.data_ptr<c10::BFloat16>(), N};
+    amx_gemm(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
+             reinterpret_cast<const uint16_t*>(wp.data_ptr()), M, K,
+             Pairs{Pairing::kRope, N / 16, rope_cols / 16, D / 16},
+             RopeEpilogue{plain, pp, cos.data_ptr<float>(), sin.data_ptr<float>(), D,
+                          rope_cols / 16});
+    return y;
+  }
+#endif
+  auto y = linear_packed(x, wp, bias, dense, dense_from);
+  rope_columns_(y, positions, cos, sin, rope_cols);
+  return y;
 }
 
 // Python enables AMX for the process first (torch.cpu._init_amx: the kernel must grant
@@ -326,4 +376,5 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear_packed", &linear_packed);
   m.impl("linear_packed_silu", &linear_packed_silu);
+  m.impl("linear_packed_rope", &linear_packed_rope);
 }

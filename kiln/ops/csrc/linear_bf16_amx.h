@@ -1,10 +1,12 @@
 // The packed linear on AMX tiles (linear_bf16.cpp includes this once, after its shared
-// constants: kAhead, kPanelXBytes, bias16). Two outputs from one loop:
+// constants: kAhead, kPanelXBytes, bias16). Three outputs from one loop:
 //   * y = x @ w.T + b, each column pair (blocks 2p, 2p + 1) a 2 x 2 tile block;
 //   * y = silu(g) * u of SwiGLU's gate_up projection (w = [gate | up], N = 2I): block j of
 //     the gate and block j of the up projection share a tile block, so the epilogue
 //     (kiln_amx::SiluEpilogue) has both halves of its 16 output columns, and the [M, 2I]
-//     product is never written.
+//     product is never written;
+//   * y = x @ w.T + b with RoPE on q's and k's columns (RopeEpilogue): a tile block holds
+//     the two halves of a head that rotate together, so q and k are never read back.
 #pragma once
 #ifdef __AMX_TILE__
 
@@ -45,12 +47,38 @@ struct BiasEpilogue {
 // (from L3); the later ones find them in L2 (gemm_tile_run).
 constexpr int64_t kAmxPairGroup = 8;
 
-// kSilu: `pairs` = I / 16 (gate block p with up block p + pairs), else the column pairs.
-template <bool kSilu, class Epilogue>
-void amx_gemm(const uint16_t* x, const uint16_t* wp, int64_t M, int64_t K, int64_t N,
+// How a thread's units (tile blocks of two 16-column weight blocks) pair the blocks.
+//   kAdjacent: unit p is blocks 2p and 2p + 1 (the last alone when N / 16 is odd);
+//   kSilu: gate block p with up block p + N / 32 (SiluEpilogue);
+//   kRope: the first rope_blocks blocks are heads of D / 16 blocks, and a head's block j
+//     pairs with its block j + D / 32, the columns RoPE rotates together (RopeEpilogue);
+//     the blocks after them pair as kAdjacent.
+enum class Pairing { kAdjacent, kSilu, kRope };
+
+struct Pairs {
+  Pairing kind;
+  int64_t blocks, rope_blocks = 0, head_blocks = 2;
+
+  int64_t units() const {
+    if (kind == Pairing::kSilu) return blocks / 2;
+    return rope_blocks / 2 + (blocks - rope_blocks + 1) / 2;
+  }
+  // Unit p's two blocks; the second is `blocks` when there is none.
+  std::pair<int64_t, int64_t> at(int64_t p) const {
+    if (kind == Pairing::kSilu) return {p, p + blocks / 2};
+    if (p < rope_blocks / 2) {
+      const int64_t half = head_blocks / 2, b0 = p / half * head_blocks + p % half;
+      return {b0, b0 + half};
+    }
+    const int64_t b0 = rope_blocks + 2 * (p - rope_blocks / 2);
+    return {b0, std::min(b0 + 1, blocks)};
+  }
+};
+
+template <class Epilogue>
+void amx_gemm(const uint16_t* x, const uint16_t* wp, int64_t M, int64_t K, const Pairs& pairs,
               Epilogue epilogue) {
-  const int64_t blocks = N / 16, pairs = kSilu ? blocks / 2 : (blocks + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, pairs.units(), 1, [&](int64_t begin, int64_t end) {
     kiln_amx::GemmRows rb;
     kiln_amx::AmxPipeline<Epilogue> pipe(epilogue);
     const int64_t chunks = K / 32;
@@ -63,10 +91,11 @@ void amx_gemm(const uint16_t* x, const uint16_t* wp, int64_t M, int64_t K, int64
           rb.next(M - m0);  // may reconfigure: the pending block is already stored
           const uint16_t* x0 = x + m0 * K;
           for (int64_t p = g; p < g_end; ++p) {
-            const int64_t b0 = kSilu ? p : 2 * p, b1 = kSilu ? p + pairs : 2 * p + 1;
-            const bool pair = b1 < blocks;
+            const auto [b0, b1] = pairs.at(p);
+            const bool pair = b1 < pairs.blocks;
             pipe.run(x0, x0 + 16 * K, K * 2, wp + b0 * chunks * 512, wp + b1 * chunks * 512,
-                     chunks, m0 == pass ? kAhead : 0, m0, rb, kSilu ? p : b0, pair);
+                     chunks, m0 == pass ? kAhead : 0, m0, rb,
+                     pairs.kind == Pairing::kSilu ? p : b0, pair);
           }
         }
       }
@@ -75,6 +104,41 @@ void amx_gemm(const uint16_t* x, const uint16_t* wp, int64_t M, int64_t K, int64
     _tile_release();
   });
 }
+
+// y = x @ w.T + b with Neox RoPE over its first rope_blocks blocks (q's and k's heads of
+// D): each row's bf16 product rotated by its position's cos and sin (the fp32 caches
+// rounded to bf16, as the reference casts them), the same bits as linear_packed and then
+// rotary_embedding (pointwise.cpp). Blocks past them take BiasEpilogue's path. Positions
+// are checked by the caller.
+struct RopeEpilogue {
+  BiasEpilogue plain;
+  const int64_t* pos;
+  const float *cos, *sin;
+  int64_t D, rope_blocks;
+
+  void operator()(const kiln_amx::AmxBlock& t, int64_t r0, int64_t r1) const {
+    if (t.nb >= rope_blocks) return plain(t, r0, r1);
+    const int64_t half = D / 2, j = t.nb % (D / 16) * 16;  // lo block's column in its head
+    const __m512 b_lo = bias16(plain.bias, t.nb * 16);
+    const __m512 b_hi = bias16(plain.bias, t.nb * 16 + half);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* c_row = cos + pos[t.m0 + r] * D;
+      const float* s_row = sin + pos[t.m0 + r] * D;
+      const float(*c)[16][16] = t.c + r / 16 * 2;
+      const __m512 lo =
+          kiln_isa::round_bf16(kiln_isa::add(_mm512_load_ps(c[0][r % 16]), b_lo));
+      const __m512 hi =
+          kiln_isa::round_bf16(kiln_isa::add(_mm512_load_ps(c[1][r % 16]), b_hi));
+      const auto cs = [&](const float* row, int64_t col) {
+        return kiln_isa::round_bf16(_mm512_loadu_ps(row + col));
+      };
+      c10::BFloat16* y = plain.y + (t.m0 + r) * plain.N + t.nb * 16;
+      store_bf16(y, kiln_isa::fnmadd(hi, cs(s_row, j), kiln_isa::mul(lo, cs(c_row, j))));
+      store_bf16(y + half, kiln_isa::fmadd(lo, cs(s_row, j + half),
+                                           kiln_isa::mul(hi, cs(c_row, j + half))));
+    }
+  }
+};
 
 }  // namespace
 

@@ -91,6 +91,38 @@ void bf16_row(const float* src, float* dst, int64_t D) {
   }
 }
 
+// fn(t, cos, sin) for each token t of `positions`, the token's cos and sin rows of the
+// float32 caches [P, D] rounded to bf16 (as the reference casts them); tokens split
+// across threads from kGrainElements elements (`per_token` each) on. A position outside
+// the caches is refused (`op` names the op in the message); its token is skipped.
+template <class Fn>
+void for_rope_tokens(const char* op, const at::Tensor& positions, const at::Tensor& cos,
+                     const at::Tensor& sin, int64_t per_token, const Fn& fn) {
+  const auto pos = positions.to(at::kLong).contiguous();
+  const int64_t T = pos.numel(), P = cos.size(0), D = cos.size(1);
+  const auto* pp = pos.data_ptr<int64_t>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  std::atomic<bool> bad{false};
+  std::atomic<int64_t> bad_position{0};
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(per_token, 1));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float cs[2 * kMaxHeadDim];  // the token's bf16-rounded cos and sin rows
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = pp[t];
+      if (p < 0 || p >= P) {
+        bad = true;
+        bad_position = p;
+        continue;
+      }
+      bf16_row(cp + p * D, cs, D);
+      bf16_row(sp + p * D, cs + D, D);
+      fn(t, cs, cs + D);
+    }
+  });
+  TORCH_CHECK(!bad.load(), op, ": position ", bad_position.load(), " outside the cache of ",
+              P, " positions");
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
@@ -106,37 +138,36 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2),
               "rotary_embedding: float32 cos and sin caches [P, D]");
-  const auto pos = positions.to(at::kLong).contiguous();
   const int64_t T = q.size(0), H = q.size(1), Hk = k.size(1), D = q.size(2);
-  const int64_t P = cos.size(0);
+  TORCH_CHECK(positions.numel() == T, "rotary_embedding: one position per token");
   auto qo = at::empty({T, H, D}, q.options()), ko = at::empty({T, Hk, D}, k.options());
-  const auto* pp = pos.data_ptr<int64_t>();
   const auto *qp = q.data_ptr<c10::BFloat16>(), *kp = k.data_ptr<c10::BFloat16>();
   auto *qop = qo.data_ptr<c10::BFloat16>(), *kop = ko.data_ptr<c10::BFloat16>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  std::atomic<bool> bad{false};
-  std::atomic<int64_t> bad_position{0};
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / ((H + Hk) * D));
-  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float cs[2 * kMaxHeadDim];  // the token's bf16-rounded cos and sin rows
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t p = pp[t];
-      if (p < 0 || p >= P) {
-        bad = true;
-        bad_position = p;
-        continue;
-      }
-      bf16_row(cp + p * D, cs, D);
-      bf16_row(sp + p * D, cs + D, D);
-      rope_heads(qp + t * q.stride(0), q.stride(1), H, D, cs, cs + D,
-                 qop + t * H * D);
-      rope_heads(kp + t * k.stride(0), k.stride(1), Hk, D, cs, cs + D,
-                 kop + t * Hk * D);
-    }
-  });
-  TORCH_CHECK(!bad.load(), "rotary_embedding: position ", bad_position.load(),
-              " outside the cache of ", P, " positions");
+  for_rope_tokens("rotary_embedding", positions, cos, sin, (H + Hk) * D,
+                  [&](int64_t t, const float* c, const float* s) {
+                    rope_heads(qp + t * q.stride(0), q.stride(1), H, D, c, s, qop + t * H * D);
+                    rope_heads(kp + t * k.stride(0), k.stride(1), Hk, D, c, s,
+                               kop + t * Hk * D);
+                  });
   return {qo, ko};
+}
+
+// y's first rope_cols columns rotated in place, heads of D = cos.size(1): the rotation of
+// kiln_cpu::linear_packed_rope off tiles (linear_bf16.cpp). In place is safe: rope_heads
+// reads both halves of a head's 16 columns before it writes them.
+void rope_columns_(at::Tensor& y, const at::Tensor& positions, const at::Tensor& cos,
+                   const at::Tensor& sin, int64_t rope_cols) {
+  const int64_t D = cos.size(1), N = y.size(1);
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.dim() == 2 && y.is_contiguous() &&
+                  D % 32 == 0 && D <= kMaxHeadDim && rope_cols % D == 0 && rope_cols <= N &&
+                  positions.numel() == y.size(0),
+              "linear_packed_rope: bf16 rows whose first rope_cols columns are heads of D, ",
+              "D % 32 == 0 and at most ", kMaxHeadDim);
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  for_rope_tokens("linear_packed_rope", positions, cos, sin, rope_cols,
+                  [&](int64_t t, const float* c, const float* s) {
+                    rope_heads(yp + t * N, D, rope_cols / D, D, c, s, yp + t * N);
+                  });
 }
 
 namespace {
