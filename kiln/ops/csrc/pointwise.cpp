@@ -10,9 +10,9 @@
 // thread gains there), and at prefill sizes these were the largest of them: 2,000
 // tokens of SmolLM2 spent 92 ms (SiLU) and 47 ms (RoPE) of a 640 ms prefill in them (Xeon,
 // AMX), and later about 11% of a 0.4 s prefill in the norms. Here the rows are split
-// across threads only when there are enough of them (a decode step stays on one thread). SiLU's exp is simd.h's polynomial rather than a
-// libm-accurate one: the result is rounded to bf16 (2^-9) and the polynomial is within
-// 3e-6.
+// across threads only when there are enough of them (a decode step stays on one thread).
+// SiLU's exp is simd.h's polynomial rather than a libm-accurate one: the result is rounded
+// to bf16 (2^-9) and the polynomial is within 3e-6.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
