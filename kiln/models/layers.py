@@ -8,8 +8,8 @@ from torch import nn
 
 from kiln.ops.linear import linear, linear_rope, linear_silu
 from kiln.ops.lora import add_lora
-from kiln.ops.pointwise import (add_rms_norm_applies, rope_kernel_applies, rotary_neox,
-                                silu_and_mul)
+from kiln.ops.pointwise import (add_rms_norm, add_rms_norm_applies, rope_kernel_applies,
+                                rotary_neox, silu_and_mul)
 
 
 class LinearMethod:
@@ -98,12 +98,8 @@ class RMSNorm(nn.Module):
         """(x + d, self(x + d)): a residual add and the norm after it. bf16 on the CPU is
         one kernel (kiln_cpu::add_rms_norm, threaded at prefill sizes: Inductor builds its
         fused kernels single-threaded on small hosts, kiln/compiler/build.py)."""
-        if (add_rms_norm_applies(x) and d.shape == x.shape and d.dtype == x.dtype
-                and self.weight.dtype == x.dtype):
-            h, out = torch.ops.kiln_cpu.add_rms_norm(x.reshape(-1, x.shape[-1]),
-                                                     d.reshape(-1, x.shape[-1]),
-                                                     self.weight, self.eps)
-            return h.view(x.shape), out.view(x.shape)
+        if add_rms_norm_applies(x, d, self.weight):
+            return add_rms_norm(x, d, self.weight, self.eps)
         h = x + d
         return h, self(h)
 

@@ -3,8 +3,8 @@ rounding, threads only at prefill sizes), the plain expressions elsewhere: fp32 
 reference's exact math, which Inductor fuses.
 
   silu_and_mul   SwiGLU's activation, silu(gate) * up over [..., 2I] (gate | up);
-  add_rms_norm   (applies to) a residual add and the RMSNorm after it (the op is called
-                 by kiln.models.layers.RMSNorm.forward_add, which owns the norm's math);
+  add_rms_norm   a residual add and the RMSNorm after it (where add_rms_norm_applies;
+                 kiln.models.layers.RMSNorm.forward_add owns the expressions elsewhere);
   rotary_neox    Neox-style RoPE of q [T, H, D] and k [T, Hk, D] from float32 cos / sin
                  caches [P, D] (cast to the activations' dtype, as the reference does).
 """
@@ -23,10 +23,20 @@ def kernel_applies(x: torch.Tensor) -> bool:
     return cpu_kernels.planned() and x.device.type == "cpu" and x.dtype == torch.bfloat16
 
 
-def add_rms_norm_applies(x: torch.Tensor) -> bool:
-    """Whether kiln_cpu::add_rms_norm takes a residual add and RMSNorm over x (the caller,
-    kiln.models.layers.RMSNorm, checks the other operands)."""
-    return kernel_applies(x) and x.shape[-1] % 16 == 0
+def add_rms_norm_applies(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `add_rms_norm` takes x + d and the RMSNorm after it (else the caller,
+    kiln.models.layers.RMSNorm.forward_add, runs its own expressions)."""
+    return (kernel_applies(x) and x.shape[-1] % 16 == 0 and d.shape == x.shape
+            and d.dtype == x.dtype and weight.dtype == x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + d, weight * norm(x + d)) over [..., H] in one kernel, rounded where
+    RMSNorm's bf16 tensors round (csrc/pointwise.cpp)."""
+    h, out = torch.ops.kiln_cpu.add_rms_norm(x.reshape(-1, x.shape[-1]),
+                                             d.reshape(-1, x.shape[-1]), weight, eps)
+    return h.view(x.shape), out.view(x.shape)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

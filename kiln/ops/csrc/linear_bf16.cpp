@@ -215,6 +215,12 @@ void panel_gemm(const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
 #endif
 
 
+// The bias as the kernels read it: bf16, contiguous; none when absent.
+c10::optional<at::Tensor> bf16_bias(const c10::optional<at::Tensor>& bias) {
+  if (!bias.has_value() || !bias->defined()) return c10::nullopt;
+  return bias->to(at::kBFloat16).contiguous();
+}
+
 // Whether oneDNN's GEMM on the plain weight takes these M rows (the tuning table's choice).
 bool dense_rows(const c10::optional<at::Tensor>& dense, int64_t dense_from, int64_t M) {
   return dense.has_value() && dense->defined() && dense->numel() > 0 && dense_from > 0 &&
@@ -234,8 +240,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
               "linear_packed: bf16 x [M, K] and a packed weight [N/16, K/32, 16, 32]");
   const int64_t M = x.size(0), K = wp.size(1) * 32, N = wp.size(0) * 16;
   TORCH_CHECK(x.size(1) == K, "linear_packed: x has ", x.size(1), " columns, weight ", K);
-  c10::optional<at::Tensor> b;
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kBFloat16).contiguous();
+  const auto b = bf16_bias(bias);
   if (dense_rows(dense, dense_from, M)) return at::linear(x, *dense, b);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -325,8 +330,7 @@ at::Tensor linear_packed_rope(const at::Tensor& x, const at::Tensor& wp,
     for (int64_t m = 0; m < M; ++m)  // the epilogue reads the caches' rows unchecked
       TORCH_CHECK(pp[m] >= 0 && pp[m] < cos.size(0), "linear_packed_rope: position ", pp[m],
                   " outside the cache of ", cos.size(0), " positions");
-    c10::optional<at::Tensor> b;
-    if (bias.has_value() && bias->defined()) b = bias->to(at::kBFloat16).contiguous();
+    const auto b = bf16_bias(bias);
     auto y = at::empty({M, N}, x.options());
     const auto xc = x.contiguous();
     const BiasEpilogue plain{b ? b->data_ptr<c10::BFloat16>() : nullptr,

@@ -94,8 +94,7 @@ void amx_gemm(const uint16_t* x, const uint16_t* wp, int64_t M, int64_t K, const
             const auto [b0, b1] = pairs.at(p);
             const bool pair = b1 < pairs.blocks;
             pipe.run(x0, x0 + 16 * K, K * 2, wp + b0 * chunks * 512, wp + b1 * chunks * 512,
-                     chunks, m0 == pass ? kAhead : 0, m0, rb,
-                     pairs.kind == Pairing::kSilu ? p : b0, pair);
+                     chunks, m0 == pass ? kAhead : 0, m0, rb, b0, pair);
           }
         }
       }

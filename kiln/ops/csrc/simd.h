@@ -16,14 +16,13 @@
 //   scale_pow2 (y * 2^n, n integral; AVX512: 2^floor(n) for any n);
 //   first_lanes(n) (lanes < n), lanes_between(lo, hi), max_masked, zero_unmasked;
 //   load_bf16 / store_bf16 (16 values, round to nearest even), round_bf16 (fp32 -> bf16
-//   -> fp32);
+//   -> fp32), store_bf16x2 (two vectors; one 64-byte store on AVX512-BF16);
 //   reduce16(v): lane i = sum of v[kReduceOrder[i]]'s lanes;
 //   WRow / Pair / load_wrow / load_pair / dot: one 64-byte row of a packed weight tile
 //   (16 columns x a (k, k+1) pair) against one input row's pair, into a V16 of sums;
 //   kNativeBf16 (load_pair reads the bf16 row, else its fp32 copy);
 //   kGemmRows x kGemmBlocks: the linear's register tile (rows x 16-column blocks).
-// AVX512 builds also: widen_bf16, floor_fraction (t - floor(t)); store_bf16x2 (two
-// vectors, one 64-byte store on AVX512).
+// AVX512 builds also: widen_bf16, floor_fraction (t - floor(t)).
 // Below them, written once for all: exp2, exp2_bf16, silu_mul, and line-aligned scratch
 // (Aligned64, AlignedVector, aligned_buffer).
 #pragma once
@@ -45,16 +44,21 @@
 
 namespace kiln_isa {
 
+// The polynomial with coefficients c (highest power first) at r.
+template <int N>
+inline V16 horner(V16 r, const float (&c)[N]) {
+  V16 p = set1(c[0]);
+  for (int i = 1; i < N; ++i) p = fmadd(p, r, set1(c[i]));
+  return p;
+}
+
 // 2^t for finite t (below -126 it flushes to 0 or a denormal, above 127 it saturates:
 // scale_pow2 takes care of both): 2^n times a polynomial in the fraction r = t - n,
-// |r| <= 1/2 (coefficients highest power first), fitted for relative error.
+// |r| <= 1/2, fitted for relative error.
 template <int N>
 inline V16 exp2_poly(V16 t, const float (&c)[N]) {
   const V16 n = round_nearest(t);
-  const V16 r = sub(t, n);
-  V16 p = set1(c[0]);
-  for (int i = 1; i < N; ++i) p = fmadd(p, r, set1(c[i]));
-  return scale_pow2(p, n);
+  return scale_pow2(horner(sub(t, n), c), n);
 }
 
 // Degree 4, relative error under 2.7e-6: more than a bf16 result or a bf16-rounded
@@ -74,12 +78,7 @@ inline V16 exp2(V16 t) { return exp2_poly(t, kExp2Degree4); }
 #ifdef __AVX512F__
 inline constexpr float kExp2Degree3[] = {7.8024521e-2f, 2.2606716e-1f, 6.9583356e-1f,
                                          9.9992520e-1f};
-inline V16 exp2_bf16(V16 t) {
-  const V16 r = floor_fraction(t);
-  V16 p = set1(kExp2Degree3[0]);
-  for (int i = 1; i < 4; ++i) p = fmadd(p, r, set1(kExp2Degree3[i]));
-  return scale_pow2(p, t);
-}
+inline V16 exp2_bf16(V16 t) { return scale_pow2(horner(floor_fraction(t), kExp2Degree3), t); }
 #else
 inline constexpr float kExp2Degree3[] = {5.5171669e-2f, 2.4261114e-1f, 6.9326097e-1f,
                                          9.9992806e-1f};

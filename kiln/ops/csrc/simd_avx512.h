@@ -85,7 +85,7 @@ inline void store_bf16x2(void* p, V16 lo, V16 hi) {
 }
 
 // fp32 -> bf16 -> fp32: where a separate op's bf16 output would have rounded (the AMX
-// GEMMs' fused SwiGLU epilogues round each half first). AVX512 builds only.
+// GEMMs' fused SwiGLU epilogues round each half first).
 inline V16 round_bf16(V16 v) { return widen_bf16(to_bf16(v)); }
 
 // Transposed sums in four halving stages of two-source permutes. The stages deliver
