@@ -219,3 +219,26 @@ def test_bf16_prefill_kernel_matches_dense_attention(heads, kv_heads, D, block_s
     err, err_sdpa = ((x - expected).abs().max().item() for x in (kernel, sdpa))
     assert err <= max(1.6e-2, 1.5 * err_sdpa), (err, err_sdpa)
     torch.testing.assert_close(kernel, expected, atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_op_reads_qkv_columns_of_one_fused_output_in_place(dtype, cpu_kernels_loaded):
+    """A model hands the op q, k and v as column ranges of its QKV projection's output
+    (rows strided by the fused width; kiln.models.llama): the cache is written from those
+    rows in place and every output is the one contiguous copies give, prefill and decode
+    rows, with padding (slot -1) writing nothing."""
+    from dataclasses import replace
+
+    from attention_batches import make_batch, run_backend
+
+    heads, kv_heads, D = 6, 2, 32
+    spec = AttentionLayerSpec(heads, kv_heads, D, D ** -0.5)
+    batch = make_batch([(0, 40), (20, 7), (33, 1)], heads, kv_heads, D, 16, pad=2, seed=4,
+                       dtype=dtype)
+    fused = torch.cat([batch.query, batch.key, batch.value], dim=1)
+    q, k, v = fused.split([heads * D, kv_heads * D, kv_heads * D], dim=1)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    expected_out, expected_cache = run_backend(CpuPagedBackend, batch, spec)
+    out, cache = run_backend(CpuPagedBackend, replace(batch, query=q, key=k, value=v), spec)
+    assert torch.equal(cache, expected_cache)
+    assert torch.equal(out.nan_to_num(), expected_out.nan_to_num())  # padding rows: NaN

@@ -30,7 +30,9 @@ class Attention(nn.Module):
         self.native_op = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, heads * hd], k/v: [T, kv_heads * hd] -> [T, heads * hd]
+        # q: [T, heads * hd], k/v: [T, kv_heads * hd] -> [T, heads * hd]. Rows may be
+        # strided (column ranges of a fused QKV output): the native op reads them in place,
+        # the backends behind kiln::unified_attention get V contiguous (as they always did).
         if self.native_op:
             t, s = q.shape[0], self.spec
             out3 = q.new_empty((t, s.num_heads, s.head_size))
@@ -39,5 +41,5 @@ class Attention(nn.Module):
                 v.view(t, s.num_kv_heads, s.head_size), out3, self.layer_id)
             return out3.view(t, s.num_heads * s.head_size)
         out = torch.empty_like(q)
-        torch.ops.kiln.unified_attention.default(q, k, v, out, self.layer_index)
+        torch.ops.kiln.unified_attention.default(q, k, v.contiguous(), out, self.layer_index)
         return out

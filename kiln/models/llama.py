@@ -72,8 +72,7 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None and self.norm_per_head:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size),
-                        v.contiguous())
+        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)
         return self.o_proj(out)
 
 
