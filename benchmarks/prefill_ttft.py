@@ -12,6 +12,13 @@ variables in ../shared/reference/this-machine.md to time another CPU class.
 --vs-sdpa times the `cpu` attention backend's two prefill paths side by side in the same
 engine, their repeats interleaved: kiln's tiled kernel (bf16; csrc/attention_prefill.h)
 and SDPA over the gathered blocks (what ran before it), with the ratio.
+
+--gemm prints each length's rate in FLOP/s beside a bf16 `torch.mm` at 2,048^3 timed right
+after it: #46's "60% of the measured bf16 GEMM rate" for a whole prefill. FLOPs counted
+(`prefill_flops`): the layers' weight products (2 per weight per token; one row of the
+LM head) and attention's QK^T and PV over the pairs a causal mask leaves, nothing for the
+norms, RoPE, SiLU or the softmax: what a prefill must compute, not what kiln runs (its
+tiles pad each diagonal block, which would count as more).
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model", default=None)
     ap.add_argument("--vs-sdpa", action="store_true")
+    ap.add_argument("--gemm", action="store_true",
+                    help="print the FLOP rate and its share of a bf16 torch.mm's")
     args = ap.parse_args()
 
     import torch
@@ -58,12 +67,27 @@ def main() -> None:
         best = {p: min(t[1:]) for p, t in times.items()}
         line = "  ".join(f"{_NAMES[p]}{b:.3f} s ({n / b:.0f} tok/s)" for p, b in best.items())
         ratio = f"  sdpa/kernel {best[False] / best[True]:.2f}x" if args.vs_sdpa else ""
+        if args.gemm:
+            from attention_rows import gemm_tflops  # this directory's script (sys.path[0])
+            rate = prefill_flops(llm.engine.model_config, n) / min(best.values()) / 1e12
+            mm = gemm_tflops()
+            ratio += f"  {rate:.2f} TFLOP/s, torch.mm {mm:.2f}: {rate / mm:.0%}"
         print(f"  {n:>6} tokens  {line}{ratio}")
     if args.vs_sdpa:
         torch.ops.kiln_cpu.set_prefill_kernel(True)
 
 
 _NAMES = {None: "", True: "kernel ", False: "sdpa "}
+
+
+def prefill_flops(mc, n: int) -> float:
+    """The products an n-token prefill of a dense decoder must compute (see --gemm)."""
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    weights = mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size \
+        + 3 * mc.hidden_size * mc.intermediate_size
+    pairs = n * (n + 1) / 2  # query i sees keys 0..i
+    attention = 4.0 * mc.head_dim * mc.num_heads * pairs
+    return mc.num_layers * (2.0 * weights * n + attention) + 2.0 * mc.hidden_size * mc.vocab_size
 
 
 if __name__ == "__main__":
