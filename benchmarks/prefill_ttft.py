@@ -68,7 +68,7 @@ def main() -> None:
         line = "  ".join(f"{_NAMES[p]}{b:.3f} s ({n / b:.0f} tok/s)" for p, b in best.items())
         ratio = f"  sdpa/kernel {best[False] / best[True]:.2f}x" if args.vs_sdpa else ""
         if args.gemm:
-            from attention_rows import gemm_tflops  # this directory's script (sys.path[0])
+            from attention_rows import gemm_tflops  # this directory's (sys.path[0])
             rate = prefill_flops(llm.engine.model_config, n) / min(best.values()) / 1e12
             mm = gemm_tflops()
             ratio += f"  {rate:.2f} TFLOP/s, torch.mm {mm:.2f}: {rate / mm:.0%}"
@@ -82,11 +82,12 @@ _NAMES = {None: "", True: "kernel ", False: "sdpa "}
 
 def prefill_flops(mc, n: int) -> float:
     """The products an n-token prefill of a dense decoder must compute (see --gemm)."""
+    from attention_rows import attention_flops  # causal QK^T and PV, n new rows of n
+
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
     weights = mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size \
         + 3 * mc.hidden_size * mc.intermediate_size
-    pairs = n * (n + 1) / 2  # query i sees keys 0..i
-    attention = 4.0 * mc.head_dim * mc.num_heads * pairs
+    attention = attention_flops(n, n, mc.num_heads, mc.head_dim)
     return mc.num_layers * (2.0 * weights * n + attention) + 2.0 * mc.hidden_size * mc.vocab_size
 
 
