@@ -47,9 +47,14 @@ run: $(STAMP)
 # (KILN_HUGE_PAGES=0): on these VMs a fresh 2 MiB page costs about 10 ms to fault in, 5.5 s
 # for SmolLM2's fp32 weights at every start, and no test reads speed. The move itself, and
 # the loader's use of it, are tests/test_huge_pages.py's.
+# Their KV caches stay lazy past the first blocks (KILN_KV_PREFAULT=first): the default
+# backs the rest on an idle thread after start-up, a GiB of memory per engine by default,
+# which a suite starting a hundred engines two at a time neither needs nor wants to pay;
+# tests/test_huge_pages.py runs the default.
 # First the house's contracts (docs/architecture.md): the import-linter layers in
 # pyproject.toml, and no import circle among kiln's modules (lazy imports counted).
 test: export KILN_HUGE_PAGES := 0
+test: export KILN_KV_PREFAULT := first
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/import_cycles.py

@@ -19,7 +19,7 @@ tests and launchers change them between engines.
 | KILN_ALLOW_RUNTIME_LORA_UPDATING | `kiln serve --allow-runtime-lora-updating`'s default (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING works too) | off |
 | KILN_PLUGINS | comma-separated entry-point names: only these plugins load, in every group (`""`: none) | unset: all |
 | KILN_HUGE_PAGES | 0 leaves the CPU weights where they loaded instead of copying them to transparent huge pages (kiln.runner.huge_pages): a VM whose host backs a fresh huge page slowly (about 10 ms each seen) spends seconds of start-up there | 1 |
-| KILN_KV_PREFAULT | `all` backs the whole CPU KV cache at start-up (steady memory from the first request; `kiln bench soak` sets it), else only its first blocks | first blocks |
+| KILN_KV_PREFAULT | how the CPU KV cache is backed (kiln.runner.kv_backing): unset, its first blocks at start-up and the rest on an idle-priority thread once the model is compiled; `all`, all of it before the first request (`kiln bench soak` sets it); `first`, the first blocks only, the rest as requests reach it (the test suite) | unset |
 | KILN_WORKER_FORK | 0 starts each `mp` worker as a fresh interpreter instead of forking it from a pre-imported zygote (kiln.executor.zygote) | 1 |
 | KILN_PP_LAYER_PARTITION | layers per pipeline stage, comma-separated (`"5,4"`; vLLM's VLLM_PP_LAYER_PARTITION works too) | an even split |
 | KILN_PROBE_T0 | set by `kiln bench compile` for the start-up probe it spawns: the spawn time (`time.monotonic()`, host-wide) | unset |

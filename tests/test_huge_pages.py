@@ -1,7 +1,8 @@
 """CPU weights on transparent huge pages (kiln/runner/huge_pages.py): the move keeps every
 value and every tensor object, skips storages it cannot move whole, and the kernel really
 backs the arena with 2 MiB pages where THP is on; the KV cache's zeros are lazy and on
-4 KiB pages."""
+4 KiB pages, its first blocks backed at start-up and the rest by the backfill
+(kiln/runner/kv_backing.py), which changes no byte the engine wrote."""
 from __future__ import annotations
 
 import sys
@@ -12,7 +13,7 @@ from torch import nn
 
 from kiln.runner import huge_pages
 from kiln.runner.huge_pages import HUGE_PAGE, move_weights_to_huge_pages
-from kiln.runner.kv_alloc import lazy_zeros
+from kiln.runner.kv_backing import lazy_zeros
 
 needs_thp = pytest.mark.skipif(not huge_pages.available(),
                                reason=f"transparent huge pages are {huge_pages.thp_mode()}")
@@ -112,7 +113,7 @@ def test_nothing_moves_without_transparent_huge_pages(monkeypatch):
 
 
 def test_a_kv_cache_larger_than_available_memory_fails_at_start_up():
-    from kiln.runner.kv_alloc import check_fits_in_memory
+    from kiln.runner.kv_backing import check_fits_in_memory
 
     check_fits_in_memory(1 << 20)
     with pytest.raises(ValueError, match="lower kv_cache_memory"):
@@ -135,6 +136,68 @@ def test_kv_cache_backs_its_first_blocks_at_start_up_and_the_rest_on_use():
     assert not slots[1][1, 0].any() and not slots[1][1, -1].any()
     slots[1][1, -1].fill_(1.0)  # a block far from the front: one more page, on use
     assert smaps_kib(buffer.data_ptr(), "Rss") - backed in (4, 8, 12)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mappings")
+def test_the_backfill_backs_the_whole_cache_and_keeps_what_the_engine_wrote():
+    from kiln.kv_cache.kv_cache_spec import FullAttentionSpec
+    from kiln.runner.kv_alloc import allocate_kv_cache
+    from kiln.runner.kv_backing import start_backfill
+
+    spec = FullAttentionSpec(16, 3, 64, torch.bfloat16)
+    buffer, slots, ready = allocate_kv_cache(spec, 2, 4096, torch.device("cpu"))
+    ready.join()
+    assert start_backfill(buffer, "first") is None and start_backfill(buffer, "all") is None
+    before = smaps_kib(buffer.data_ptr(), "Rss")
+    thread = start_backfill(buffer, "")
+    # The engine writes blocks while the backfill runs, ahead of it and behind it: the
+    # advice backs pages as a write would and must change none of their bytes.
+    marks = [(layer, kv, block) for layer in (0, 1) for kv in (0, 1)
+             for block in (3, 700, 2100, 4095)]
+    for i, (layer, kv, block) in enumerate(marks):
+        slots[layer][kv, block].fill_(float(i + 1))
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    whole = buffer.numel() * buffer.element_size() // 1024
+    assert before < whole // 4 and smaps_kib(buffer.data_ptr(), "Rss") >= whole - 4
+    for i, (layer, kv, block) in enumerate(marks):
+        assert slots[layer][kv, block].eq(float(i + 1)).all()
+        slots[layer][kv, block].zero_()
+    assert not buffer.any()
+
+
+def test_kiln_kv_prefault_takes_only_its_three_settings(monkeypatch):
+    from kiln.runner.kv_backing import prefault_mode
+
+    for value in ("", "all", "first", " ALL "):
+        monkeypatch.setenv("KILN_KV_PREFAULT", value)
+        assert prefault_mode() == value.strip().lower()
+    monkeypatch.setenv("KILN_KV_PREFAULT", "eager")
+    with pytest.raises(ValueError, match="KILN_KV_PREFAULT='eager'"):
+        prefault_mode()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mappings")
+def test_an_engine_backs_its_whole_kv_cache_once_it_has_started(tiny_models, monkeypatch):
+    """By default (the suite sets `first`: see the Makefile) an engine backs the rest of
+    its cache on the backfill thread after start-up, and still answers."""
+    import threading
+
+    from kiln import LLM, SamplingParams
+
+    monkeypatch.delenv("KILN_KV_PREFAULT", raising=False)
+    llm = LLM(str(tiny_models["llama"][0]), dtype="float32", optimization_level=0,
+              progress=False, kv_cache_memory=32 << 20)
+    for thread in threading.enumerate():
+        if thread.name == "kiln-kv-backfill":
+            thread.join(timeout=60)
+    buffer = llm.engine.executor.runner._kv_layout.buffer
+    whole = buffer.numel() * buffer.element_size() // 1024
+    assert smaps_kib(buffer.data_ptr(), "Rss") >= whole - 4
+    out = llm.generate({"prompt_token_ids": [1, 5, 9, 13]},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_the_loader_moves_weights_unless_kiln_huge_pages_is_0(tiny_models, monkeypatch):

@@ -100,6 +100,7 @@ class ModelRunner:
         self.kv_connector = None if kv_transfer is None else connector_for(
             kv_transfer[0], KVConnectorRole.WORKER, kv_transfer[1], self.kv_spec,
             len(self.kv_caches), self.quantization)
+        self._kv_layout.start_backfill()  # the rest of the cache, once nothing compiles
 
     def _init_attention(self, name: str | None, kv_cache_memory: int | None,
                         num_kv_blocks: int | None) -> None:
@@ -119,7 +120,7 @@ class ModelRunner:
                             self.dtype, self.device, kv_cache_memory, num_kv_blocks)
         self.kv_groups, self.kv_spec, self.layer_groups = kv.groups, kv.spec, kv.layer_groups
         self.num_kv_blocks, self._kv_buffer, self.kv_caches = kv.num_blocks, kv.buffer, kv.caches
-        self._kv_ready = kv.ready  # joined before the first forward that writes the cache
+        self._kv_layout = kv  # its `ready` joined before the first forward writes the cache
         logger.info("attention backend %s; %s", backend_cls.name, kv.describe())
 
     def _init_lora(self, lora: LoRAConfig | None) -> None:
@@ -154,8 +155,8 @@ class ModelRunner:
                 self._compile_now()
         with self.phases("kernel wait"):  # -O0: the build ran beside the weights' load
             cpu_kernels.wait_planned()  # (a compile waited for it before running)
-            if self._kv_ready is not None:  # _compile_now's forwards wrote no KV
-                self._kv_ready.join()
+            if self._kv_layout.ready is not None:  # _compile_now's forwards wrote no KV
+                self._kv_layout.ready.join()
         self.graph_capture_s = 0.0
         if self.dispatcher.mode:
             with self.phases("graphs"):
