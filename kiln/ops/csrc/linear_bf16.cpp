@@ -303,6 +303,8 @@ at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& wp,
 
 void rope_columns_(at::Tensor& y, const at::Tensor& positions, const at::Tensor& cos,
                    const at::Tensor& sin, int64_t rope_cols);  // pointwise.cpp
+at::Tensor checked_positions(const char* op, const at::Tensor& positions,
+                             int64_t P);  // pointwise.cpp
 
 // linear_packed(x, wp, bias) with Neox RoPE on its first rope_cols columns, heads of D =
 // cos.size(1) (q's heads then k's, from the float32 caches [P, D]), the same bits as the
@@ -325,11 +327,9 @@ at::Tensor linear_packed_rope(const at::Tensor& x, const at::Tensor& wp,
   if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows &&
       !dense_rows(dense, dense_from, M) && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
       x.size(1) == K && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous()) {
-    const auto pos = positions.to(at::kLong).contiguous();
+    // The epilogue reads the caches' rows unchecked.
+    const auto pos = checked_positions("linear_packed_rope", positions, cos.size(0));
     const auto* pp = pos.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m)  // the epilogue reads the caches' rows unchecked
-      TORCH_CHECK(pp[m] >= 0 && pp[m] < cos.size(0), "linear_packed_rope: position ", pp[m],
-                  " outside the cache of ", cos.size(0), " positions");
     const auto b = bf16_bias(bias);
     auto y = at::empty({M, N}, x.options());
     const auto xc = x.contiguous();

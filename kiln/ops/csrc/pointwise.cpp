@@ -17,7 +17,6 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
-#include <atomic>
 #include <cmath>
 #include <tuple>
 
@@ -61,6 +60,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// positions as int64, contiguous, each checked to lie in the caches' P rows: RoPE reads
+// those rows unchecked (for_rope_tokens here, RopeEpilogue in linear_bf16_amx.h). A serial
+// pass over one int64 a token: nothing beside the rotation it guards.
+at::Tensor checked_positions(const char* op, const at::Tensor& positions, int64_t P) {
+  auto pos = positions.to(at::kLong).contiguous();
+  const auto* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < pos.numel(); ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < P, op, ": position ", pp[t], " outside the cache of ", P,
+                " positions");
+  return pos;
+}
+
 namespace {
 
 // One token's heads: out[i] = x[i] c[i] - x[i + h] s[i], out[i + h] = x[i + h] c[i + h] +
@@ -93,34 +104,24 @@ void bf16_row(const float* src, float* dst, int64_t D) {
 
 // fn(t, cos, sin) for each token t of `positions`, the token's cos and sin rows of the
 // float32 caches [P, D] rounded to bf16 (as the reference casts them); tokens split
-// across threads from kGrainElements elements (`per_token` each) on. A position outside
-// the caches is refused (`op` names the op in the message); its token is skipped.
+// across threads from kGrainElements elements (`per_token` each) on. The positions are
+// checked first (checked_positions), so the loop reads the caches unchecked.
 template <class Fn>
 void for_rope_tokens(const char* op, const at::Tensor& positions, const at::Tensor& cos,
                      const at::Tensor& sin, int64_t per_token, const Fn& fn) {
-  const auto pos = positions.to(at::kLong).contiguous();
-  const int64_t T = pos.numel(), P = cos.size(0), D = cos.size(1);
+  const auto pos = checked_positions(op, positions, cos.size(0));
+  const int64_t T = pos.numel(), D = cos.size(1);
   const auto* pp = pos.data_ptr<int64_t>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  std::atomic<bool> bad{false};
-  std::atomic<int64_t> bad_position{0};
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(per_token, 1));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float cs[2 * kMaxHeadDim];  // the token's bf16-rounded cos and sin rows
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t p = pp[t];
-      if (p < 0 || p >= P) {
-        bad = true;
-        bad_position = p;
-        continue;
-      }
-      bf16_row(cp + p * D, cs, D);
-      bf16_row(sp + p * D, cs + D, D);
+      bf16_row(cp + pp[t] * D, cs, D);
+      bf16_row(sp + pp[t] * D, cs + D, D);
       fn(t, cs, cs + D);
     }
   });
-  TORCH_CHECK(!bad.load(), op, ": position ", bad_position.load(), " outside the cache of ",
-              P, " positions");
 }
 
 }  // namespace
