@@ -114,6 +114,39 @@ def test_qkv_gemm_with_rope_is_the_same_bits_as_two_steps(m, heads, kv_heads, he
                     (heads + kv_heads) * head_dim)
 
 
+@pytest.mark.parametrize("kind", ["plain", "silu", "rope"])
+def test_each_rows_bits_do_not_depend_on_how_the_gemm_splits_its_work(kind, amx):
+    """From 256 rows a thread the tiles' GEMM gives each thread a share of the rows (its x
+    rows in its own L2) instead of a share of the columns (linear_bf16_amx.h,
+    kRowSplitRows). 600 rows on two threads: shares of 300, so each ends in a partial
+    32-row block; every row must have the bits the column split gives it, 100 rows at a
+    time, for each epilogue."""
+    g = torch.Generator().manual_seed(11)
+    m, k, n = 600, 576, 960
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 4096, (m,), generator=g)
+    rope = RotaryEmbedding(64, 4096, 10000.0, None)
+
+    def run(rows: slice) -> torch.Tensor:
+        if kind == "silu":
+            return linear_silu(x[rows], w, pack(w))
+        if kind == "rope":
+            return linear_rope(x[rows], w, b, pack(w), 0, positions[rows], rope.cos, rope.sin,
+                               12 * 64)
+        return linear(x[rows], w, b, pack(w))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        whole = run(slice(0, m))
+        parts = torch.cat([run(slice(i, i + 100)) for i in range(0, m, 100)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, parts)
+
+
 def test_linear_tiles_run_from_the_amx_threshold():
     """`amx_from` reaches the kernel, `linear_tiles_off` lifts it out of reach for a while,
     and the result hardly depends on the path: tiles and registers both accumulate pair
