@@ -37,8 +37,9 @@ struct BiasEpilogue {
 };
 
 // Blocking of a thread's share (column pairs, or rows: amx_gemm) at prefill sizes: passes
-// of rows whose x fits kPanelXBytes (L2), and within a pass groups of kAmxPairGroup pairs (8 x 2 x
-// K/32 KiB of weights: 288 KiB at K = 576, L2), each group's tiles row block by row block.
+// of rows whose x fits kPanelXBytes (L2), and within a pass groups of kAmxPairGroup pairs
+// (8 x 2 x K/32 KiB of weights: 288 KiB at K = 576, L2), each group's tiles row block by
+// row block.
 // So the weights are read from L3 once per pass (not once per 32 rows), and consecutive
 // tiles write the same 32 rows of y, whose pages stay in the TLB (at 3,072 columns a row
 // is 6 KiB, and a pair-by-pair order touched a new page per row per tile). 2,000 rows x
