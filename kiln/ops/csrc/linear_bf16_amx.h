@@ -76,14 +76,15 @@ struct Pairs {
   }
 };
 
-// Rows [r0, r1) of y over units [u0, u1): one thread's share, blocked as above.
+// Rows [r0, r1) of y over units [u0, u1) in passes of pass_rows: one thread's share,
+// blocked as above.
 template <class Epilogue>
 void amx_gemm_share(const uint16_t* x, const uint16_t* wp, int64_t r0, int64_t r1, int64_t K,
-                    const Pairs& pairs, const Epilogue& epilogue, int64_t u0, int64_t u1) {
+                    const Pairs& pairs, const Epilogue& epilogue, int64_t u0, int64_t u1,
+                    int64_t pass_rows) {
   kiln_amx::GemmRows rb;
   kiln_amx::AmxPipeline<Epilogue> pipe(epilogue);
   const int64_t chunks = K / 32;
-  const int64_t pass_rows = std::max<int64_t>(32, kPanelXBytes / (K * 2) / 32 * 32);
   for (int64_t pass = r0; pass < r1; pass += pass_rows) {
     const int64_t pass_end = std::min(r1, pass + pass_rows);
     for (int64_t g = u0; g < u1; g += kAmxPairGroup) {
@@ -109,29 +110,39 @@ void amx_gemm_share(const uint16_t* x, const uint16_t* wp, int64_t r0, int64_t r
 // shares are at::parallel_for's own (ceil(M / threads) rows each), which is how the
 // add + RMSNorm and the GEMMs before this one split their rows: each thread's x rows were
 // written by that thread and are in its own L2, where a column split had every thread
-// read the other's rows too. Weights are read once per pass either way (a thread's pass
-// reads all units' weights, half as many passes). A 2,000-token prefill on the Xeon (amx,
-// 2 threads, in process, interleaved, per op under the profiler, ms a prefill):
-// linear_packed_rope 43.8 -> 39.0, linear_packed_silu 107.0 -> 104.9, add_rms_norm 22.5
-// -> 20.8, attention 145.8 -> 140.5, the whole prefill 436 -> 421 (medians of 8). Below
-// it the column split keeps every thread busy on few rows.
+// read the other's rows too. A 2,000-token prefill on the Xeon (amx, 2 threads, in
+// process, interleaved, per op under the profiler, ms a prefill): linear_packed_rope 43.8
+// -> 39.0, linear_packed_silu 107.0 -> 104.9, add_rms_norm 22.5 -> 20.8, attention 145.8
+// -> 140.5, the whole prefill 436 -> 421 (medians of 8). Below it the column split keeps
+// every thread busy on few rows.
 constexpr int64_t kRowSplitRows = 256;
+// A row share's passes take up to kRowSplitRows rows of x within this many bytes: each
+// pass reads all the weights, so at K = 1,536 (SmolLM2's down projection) kPanelXBytes'
+// 64-row passes read them 16 times a share. x is the thread's own, and a pass's 768 KiB
+// of it fits L2 beside a pair group's 768 KiB of weights. 256-row passes against
+// kPanelXBytes' (2,000 tokens, the same A/B, four runs of 10-16 rounds): o_proj + down
+// 78.0 -> 71.2, 78.2 -> 71.1, 84.0 -> 77.4, 88.8 -> 83.7 ms a prefill; the other ops and
+// the whole prefill within the runs' noise (-5% to +0.5%). 512 or 1,024 rows: no better.
+constexpr int64_t kRowPassXBytes = 1 << 20;
 
 template <class Epilogue>
 void amx_gemm(const uint16_t* x, const uint16_t* wp, int64_t M, int64_t K, const Pairs& pairs,
               Epilogue epilogue) {
   const int64_t threads = at::get_num_threads();
+  const int64_t panel_rows = std::max<int64_t>(32, kPanelXBytes / (K * 2) / 32 * 32);
   if (threads > 1 && M >= kRowSplitRows * threads) {
     const int64_t share = (M + threads - 1) / threads;
+    const int64_t pass_rows = std::max(
+        panel_rows, std::min<int64_t>(kRowSplitRows, kRowPassXBytes / (K * 2) / 32 * 32));
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         amx_gemm_share(x, wp, t * share, std::min(M, (t + 1) * share), K, pairs, epilogue, 0,
-                       pairs.units());
+                       pairs.units(), pass_rows);
     });
     return;
   }
   at::parallel_for(0, pairs.units(), 1, [&](int64_t begin, int64_t end) {
-    amx_gemm_share(x, wp, 0, M, K, pairs, epilogue, begin, end);
+    amx_gemm_share(x, wp, 0, M, K, pairs, epilogue, begin, end, panel_rows);
   });
 }
 
