@@ -73,6 +73,15 @@ def _cpu_prefill() -> str:
     return value
 
 
+def _kv_prefault() -> str:
+    value = os.environ.get("KILN_KV_PREFAULT", "").strip().lower()
+    if value not in ("", "all", "first"):
+        raise ValueError(f"KILN_KV_PREFAULT={value!r}: use 'all' (back the whole KV cache at "
+                         "start-up), 'first' (only its first blocks) or leave it unset (the "
+                         "first blocks now, the rest on an idle thread)")
+    return value
+
+
 _VARIABLES: dict[str, Callable[[], Any]] = {
     "KILN_HOME": kiln_home,
     "KILN_CACHE_DIR": lambda: _path("KILN_CACHE_DIR"),
@@ -91,7 +100,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
                                                       "KILN_ALLOW_RUNTIME_LORA_UPDATING"),
     "KILN_PLUGINS": lambda: _names("KILN_PLUGINS"),
     "KILN_HUGE_PAGES": lambda: _on("KILN_HUGE_PAGES"),
-    "KILN_KV_PREFAULT": lambda: os.environ.get("KILN_KV_PREFAULT", "").strip().lower(),
+    "KILN_KV_PREFAULT": _kv_prefault,
     "KILN_PROBE_T0": lambda: float(os.environ.get("KILN_PROBE_T0", "nan")),
 }
 

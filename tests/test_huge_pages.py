@@ -167,14 +167,14 @@ def test_the_backfill_backs_the_whole_cache_and_keeps_what_the_engine_wrote():
 
 
 def test_kiln_kv_prefault_takes_only_its_three_settings(monkeypatch):
-    from kiln.runner.kv_backing import prefault_mode
+    from kiln import envs
 
     for value in ("", "all", "first", " ALL "):
         monkeypatch.setenv("KILN_KV_PREFAULT", value)
-        assert prefault_mode() == value.strip().lower()
+        assert envs.KILN_KV_PREFAULT == value.strip().lower()
     monkeypatch.setenv("KILN_KV_PREFAULT", "eager")
     with pytest.raises(ValueError, match="KILN_KV_PREFAULT='eager'"):
-        prefault_mode()
+        envs.KILN_KV_PREFAULT
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mappings")

@@ -16,8 +16,9 @@ from kiln.attention.backend import AttentionLayerSpec
 from kiln.kv_cache.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCacheGroupSpec,
                                          SlidingWindowSpec, describe_groups, group_layers,
                                          group_size)
+from kiln import envs
 from kiln.runner.kv_backing import (back_kv_cache, check_fits_in_memory, lazy_zeros,
-                                    prefault_mode, start_backfill)
+                                    start_backfill)
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither size field is given
 
@@ -110,7 +111,7 @@ def build_kv_cache(layers: Sequence[AttentionLayerSpec], block_size: int, dtype:
     assert isinstance(spec, AttentionSpec)
     layer_groups, slot_of, num_slots = layer_placement(groups, len(layers))
     num_blocks = num_blocks_for(spec, num_slots, kv_cache_memory, num_kv_blocks)
-    mode = prefault_mode() if device.type == "cpu" else ""
+    mode = envs.KILN_KV_PREFAULT if device.type == "cpu" else ""
     buffer, slots, ready = allocate_kv_cache(spec, num_slots, num_blocks, device, mode)
     return KVCacheLayout(groups, spec, layer_groups, num_blocks, buffer,
                          [slots[j] for j in slot_of], ready, mode)

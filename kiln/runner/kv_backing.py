@@ -27,8 +27,6 @@ import weakref
 
 import torch
 
-from kiln import envs
-
 logger = logging.getLogger(__name__)
 
 FIRST_BYTES = 2 << 20  # of each layer's keys and values, at start-up
@@ -36,20 +34,6 @@ FIRST_BYTES = 2 << 20  # of each layer's keys and values, at start-up
 # lock the call holds never delays the engine's own mappings for long.
 BACKFILL_BYTES = 1 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module does not name it
-MODES = ("", "all", "first")
-
-
-def prefault_mode() -> str:
-    """`KILN_KV_PREFAULT`: "" (first blocks now, the rest on an idle thread), "all" (the
-    whole cache before the first request: steady memory, `kiln bench soak` sets it) or
-    "first" (first blocks only, the rest as requests reach it: many engines in one
-    process, the test suite)."""
-    mode = envs.KILN_KV_PREFAULT
-    if mode not in MODES:
-        raise ValueError(f"KILN_KV_PREFAULT={mode!r}: use 'all' (back the whole KV cache at "
-                         "start-up), 'first' (only its first blocks) or leave it unset (the "
-                         "first blocks now, the rest on an idle thread)")
-    return mode
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -82,9 +66,7 @@ def back_kv_cache(buffer: torch.Tensor, mode: str) -> None:
     no OpenMP team, so the compiled code's loading, which is Python, runs beside it (warm
     `load` median 4.4 -> 3.8 s, on huge pages)."""
     per_block = _block_bytes(buffer)
-    blocks = max(1, min(buffer.shape[2], FIRST_BYTES // per_block))
-    if mode == "all":
-        blocks = buffer.shape[2]
+    blocks = buffer.shape[2] if mode == "all" else _first_blocks(buffer)
     # One byte per 4 KiB page of each region, in one serial indexed write: the zeros are
     # there already, so this only faults. Nothing else writes the cache yet.
     region = torch.arange(0, blocks * per_block, 4096)
@@ -99,7 +81,7 @@ def start_backfill(buffer: torch.Tensor, mode: str) -> threading.Thread | None:
     Zen 4), the faults contending with the compile's own mappings."""
     if mode != "" or not sys.platform.startswith("linux"):
         return None
-    first = max(1, min(buffer.shape[2], FIRST_BYTES // _block_bytes(buffer)))
+    first = _first_blocks(buffer)
     if first >= buffer.shape[2]:
         return None
     thread = threading.Thread(target=backfill, args=(weakref.ref(buffer), first),
@@ -141,6 +123,11 @@ def _idle_priority() -> None:
 
 def _block_bytes(buffer: torch.Tensor) -> int:
     return buffer[0, 0, 0].numel() * buffer.element_size()
+
+
+def _first_blocks(buffer: torch.Tensor) -> int:
+    """The blocks whose pages back_kv_cache backs at start-up (FIRST_BYTES a layer)."""
+    return max(1, min(buffer.shape[2], FIRST_BYTES // _block_bytes(buffer)))
 
 
 def check_fits_in_memory(nbytes: int) -> None:
