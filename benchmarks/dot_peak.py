@@ -15,6 +15,7 @@ target beyond the core's own rate cannot be met by any kernel. AVX512-BF16 hosts
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 
 import torch
@@ -63,6 +64,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=1.0)
     args = ap.parse_args()
+    from kiln.platforms.cpu import host_isa  # what the cores have, whatever KILN_CPU_ISA says
+    if host_isa() not in ("amx", "avx512_bf16"):
+        sys.exit(f"dot_peak.py needs AVX512-BF16 (`vdpbf16ps`); this host is {host_isa()}")
     ext = load_inline("kiln_dot_peak", cpp_sources=SOURCE, functions=["peak"],
                       extra_cflags=["-O2", "-mavx512f", "-mavx512bf16", "-fopenmp"],
                       extra_ldflags=["-fopenmp"], build_directory=tempfile.mkdtemp())

@@ -102,11 +102,8 @@ inline void pack_tile(const uint16_t* kc, const uint16_t* vc, const int32_t* blo
   pack_values(vrow, D, vp + 16 * t * D);  // 8 key pairs x D x 2
 }
 
-// The register tiles below unroll every loop over their accumulators and copy the row
-// pointers first: left to itself, GCC kept `acc` on the stack outside the product loop
-// (zeroed there, copied in and out around it) and reloaded each row's pointer before each
-// store, about 80 memory operations per 512 `vdpbf16ps` of a score tile (D = 64). Zen 4,
-// 2,000 tokens, per layer: 13.0 -> 12.55 ms with the score tile alone unrolled.
+// The register tiles below unroll their accumulator loops (KILN_UNROLL, simd.h) and copy
+// the row pointers first: otherwise each row's pointer was reloaded before each store.
 
 // RT query vectors x N tiles of 16 keys: s[r][16 b + c] = q_r . k_c.
 template <int N>
@@ -115,27 +112,27 @@ inline void qk_block(const uint16_t* const* q, const float* const* qf, const uin
   const uint16_t* qr[RT];
   const float* qfr[RT];
   float* sr[RT];
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int r = 0; r < RT; ++r) qr[r] = q[r], qfr[r] = qf[r], sr[r] = s[r] + col;
   V16 acc[RT][N];
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int b = 0; b < N; ++b) acc[r][b] = isa::zero();
   for (int64_t d2 = 0; d2 < D / 2; ++d2) {
     isa::WRow w[N];
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int b = 0; b < N; ++b) w[b] = isa::load_wrow(kp + b * 16 * D + d2 * 32);
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int r = 0; r < RT; ++r) {
       const isa::Pair x = isa::load_pair(qr[r], qfr[r], 2 * d2);
-#pragma GCC unroll 8
+      KILN_UNROLL
       for (int b = 0; b < N; ++b) acc[r][b] = isa::dot(acc[r][b], x, w[b]);
     }
   }
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int b = 0; b < N; ++b) isa::storeu(sr[r] + 16 * b, acc[r][b]);
 }
 
@@ -146,27 +143,27 @@ inline void pv_block(const uint16_t* const* p, const float* const* pf, const uin
   const uint16_t* pr[RT];
   const float* pfr[RT];
   float* orow[RT];
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int r = 0; r < RT; ++r) pr[r] = p[r], pfr[r] = pf[r], orow[r] = o[r];
   V16 acc[RT][N];
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int b = 0; b < N; ++b) acc[r][b] = isa::loadu(orow[r] + 16 * b);
   for (int64_t j = 0; j < pairs; ++j) {
     isa::WRow w[N];
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int b = 0; b < N; ++b) w[b] = isa::load_wrow(vp + j * 2 * D + b * 32);
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int r = 0; r < RT; ++r) {
       const isa::Pair x = isa::load_pair(pr[r], pfr[r], 2 * j);
-#pragma GCC unroll 8
+      KILN_UNROLL
       for (int b = 0; b < N; ++b) acc[r][b] = isa::dot(acc[r][b], x, w[b]);
     }
   }
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int b = 0; b < N; ++b) isa::storeu(orow[r] + 16 * b, acc[r][b]);
 }
 

@@ -55,10 +55,8 @@ inline V16 bias16(const c10::BFloat16* bias, int64_t n0) {
   return bias == nullptr ? kiln_isa::zero() : load_bf16(bias + n0);
 }
 
-// Rows m0..m0+MR of x against column blocks nb..nb+NR (accumulators in registers: every
-// loop over them is unrolled, or GCC keeps them on the stack outside the K loop, zeroed,
-// copied in and out and added from memory: Zen 4, linear_ab.py, the unrolled tile 1-5%
-// faster at 32-2,000 rows and the batch-1 lm_head 1.57 -> 1.32 ms).
+// Rows m0..m0+MR of x against column blocks nb..nb+NR (accumulators in registers:
+// KILN_UNROLL, simd.h).
 template <int MR, int NR>
 void micro(const uint16_t* x, const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
            c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t nb) {
@@ -72,31 +70,31 @@ void micro(const uint16_t* x, const float* xf, const uint16_t* wp, const c10::BF
     xfr[m] = xf == nullptr ? nullptr : xf + (m0 + m) * K;
   }
   V16 acc[MR][NR];
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int j = 0; j < NR; ++j) acc[m][j] = kiln_isa::zero();
   for (int64_t kc = 0; kc < chunks; ++kc) {
     for (int r = 0; r < 16; ++r) {
       const int64_t off = kc * 512 + r * 32, k = kc * 32 + 2 * r;
       kiln_isa::WRow wr[NR];
-#pragma GCC unroll 8
+      KILN_UNROLL
       for (int j = 0; j < NR; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(w[j] + off + kAhead * 512), _MM_HINT_T0);
         wr[j] = kiln_isa::load_wrow(w[j] + off);
       }
-#pragma GCC unroll 8
+      KILN_UNROLL
       for (int m = 0; m < MR; ++m) {
         const kiln_isa::Pair p = kiln_isa::load_pair(xr[m], xfr[m], k);
-#pragma GCC unroll 8
+        KILN_UNROLL
         for (int j = 0; j < NR; ++j) acc[m][j] = kiln_isa::dot(acc[m][j], p, wr[j]);
       }
     }
   }
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int j = 0; j < NR; ++j) {
     const V16 b = bias16(bias, (nb + j) * 16);
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int m = 0; m < MR; ++m)
       store_bf16(y + (m0 + m) * N + (nb + j) * 16, kiln_isa::add(acc[m][j], b));
   }

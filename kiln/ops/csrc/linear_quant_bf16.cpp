@@ -63,34 +63,33 @@ void weights_to_bf16(const QArgs& a, int64_t nb, uint16_t* panel) {
 }
 
 // Rows m0..m0+MR (bf16 x) against the NR converted blocks starting at column block nb.
-// Every loop over acc is unrolled, or GCC keeps it on the stack outside the K loop, as in
-// linear_bf16.cpp's micro (Zen 4, quant_step.py, Q4 and Q8_0 at 512-2,000 rows: -4.5%).
+// Accumulators in registers: KILN_UNROLL (simd.h).
 template <int F, int MR, int NR>
 void bf16_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels, int64_t m0,
                int64_t nb) {
   const int64_t chunks = a.K / 32;
   V16 acc[MR][NR];
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int j = 0; j < NR; ++j) acc[m][j] = kiln_isa::zero();
   for (int64_t kc = 0; kc < chunks; ++kc)
     for (int r = 0; r < 16; ++r) {
       __m512bh w[NR];
-#pragma GCC unroll 8
+      KILN_UNROLL
       for (int j = 0; j < NR; ++j)
         w[j] = (__m512bh)_mm512_loadu_si512(panels[j] + kc * 512 + r * 32);
-#pragma GCC unroll 8
+      KILN_UNROLL
       for (int m = 0; m < MR; ++m) {
         const kiln_isa::Pair xp = kiln_isa::load_pair(x + (m0 + m) * a.K, nullptr, kc * 32 + 2 * r);
-#pragma GCC unroll 8
+        KILN_UNROLL
         for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xp, w[j]);
       }
     }
-#pragma GCC unroll 8
+  KILN_UNROLL
   for (int j = 0; j < NR; ++j) {
     const int64_t col = (nb + j) * 16;
-#pragma GCC unroll 8
+    KILN_UNROLL
     for (int m = 0; m < MR; ++m) {
       V16 v = acc[m][j];
       if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a.scale32 + col));
