@@ -64,12 +64,13 @@ def test_linear_packed_matches_fp32_reference(m, n, k, amx):
         assert err < 1e-2, f"relative error {err}"
 
 
-@pytest.mark.parametrize("m", [1, 17, 70, 300])  # 17, 70: a partial second row tile
+# 3: one partial row tile; 6: the tall tiles (two steps); 17, 70: a partial second tile
+@pytest.mark.parametrize("m", [1, 3, 6, 17, 70, 300])
 @pytest.mark.parametrize("inter,k", [(48, 96), (1536, 576)])  # 48: three blocks a half
 def test_fused_gate_up_activation_is_the_same_bits_as_two_steps(m, inter, k, amx):
-    """linear_silu (SwiGLU's activation in the GEMM's epilogue on tiles) equals the packed
-    linear followed by silu_and_mul exactly, and a Linear's silu_and_mul takes it only
-    where the layer is the packed GEMM alone."""
+    """linear_silu (SwiGLU's activation in the GEMM's epilogue, on tiles and in the
+    register tiles) equals the packed linear followed by silu_and_mul exactly, and a
+    Linear's silu_and_mul takes it only where the layer is the packed GEMM alone."""
     g = torch.Generator().manual_seed(m * 7 + inter + k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = torch.randn(2 * inter, k, generator=g).to(torch.bfloat16)

@@ -74,9 +74,9 @@ def test_kernel_matches_dequantize_then_matmul(n, k):
 @pytest.mark.usefixtures("cpu_kernels_loaded")
 @pytest.mark.parametrize("inter,k", [(48, 96), (1536, 576)])  # 48: three gate blocks
 def test_fused_gate_up_activation_is_the_same_bits_as_two_steps(inter, k):
-    """linear_quant_silu (the activation in the AMX panel's epilogue where tiles run; the
-    two steps elsewhere) equals linear_quant followed by silu_and_mul exactly, for every
-    format, on both kernels and at partial row tiles."""
+    """linear_quant_silu (the activation in the native-bf16 panel's epilogue, on tiles
+    or in registers; the two steps elsewhere) equals linear_quant followed by
+    silu_and_mul exactly, for every format, on both kernels and at partial row tiles."""
     g = torch.Generator().manual_seed(inter + k)
     for fmt, w in _random_weights(2 * inter, k, g).items():
         for m, panel_from in itertools.product((1, 17, 70, 300), (0, 1)):

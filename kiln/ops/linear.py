@@ -45,8 +45,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_silu(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
                 dense_from: int = 0) -> torch.Tensor:
     """silu(g) * u of x @ [gate | up].T over the packed weight, the activation in the
-    GEMM's epilogue where tiles run (csrc/linear_bf16_amx.h): the same bits as `linear`
-    followed by kiln.ops.pointwise.silu_and_mul."""
+    GEMM's epilogue on tiles and AVX512 register tiles (csrc/linear_bf16.cpp): the same
+    bits as `linear` followed by kiln.ops.pointwise.silu_and_mul."""
     lead = x.shape[:-1]
     out = torch.ops.kiln_cpu.linear_packed_silu(x.reshape(-1, x.shape[-1]), packed,
                                                 weight if dense_from else None, dense_from)
@@ -90,9 +90,9 @@ def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 def linear_quant_silu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                       mins: torch.Tensor | None, fmt: int, panel_from: int = 0
                       ) -> torch.Tensor:
-    """silu(g) * u of x @ dequant([gate | up]).T: the activation in the AMX GEMM's
-    epilogue where it runs (csrc/linear_quant_bf16.cpp), the same bits as `linear_quant`
-    followed by kiln.ops.pointwise.silu_and_mul everywhere."""
+    """silu(g) * u of x @ dequant([gate | up]).T: the activation in the native-bf16
+    panel's epilogue where it runs (csrc/linear_quant_bf16.cpp), the same bits as
+    `linear_quant` followed by kiln.ops.pointwise.silu_and_mul everywhere."""
     if not (kernel_applies(x) and fmt != FP8 and codes.shape[0] % 2 == 0):
         return silu_and_mul(linear_quant(x, codes, scales, mins, None, fmt, panel_from))
     lead = x.shape[:-1]

@@ -55,14 +55,25 @@ inline V16 bias16(const c10::BFloat16* bias, int64_t n0) {
   return bias == nullptr ? kiln_isa::zero() : load_bf16(bias + n0);
 }
 
+// What a register tile's NR column blocks are and where its sums go.
+//  kPlain: weight blocks nb .. nb + NR - 1; y [M, N] = acc + bias.
+//  kSilu: SwiGLU's gate_up ([gate | up], N / 32 blocks a half): gate blocks nb ..
+//    nb + NR/2 - 1 and their up blocks half a weight later; y [M, N/2] = silu(g) * u with
+//    g and u rounded to bf16 first, as linear_packed stores them: the same bits as
+//    silu_and_mul after the linear, without writing and reading back the [M, N] product.
+enum class Tile { kPlain, kSilu };
+
 // Rows m0..m0+MR of x against column blocks nb..nb+NR (accumulators in registers:
 // KILN_UNROLL, simd.h).
-template <int MR, int NR>
+template <int MR, int NR, Tile E = Tile::kPlain>
 void micro(const uint16_t* x, const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
            c10::BFloat16* y, int64_t K, int64_t N, int64_t m0, int64_t nb) {
+  static_assert(E == Tile::kPlain || NR % 2 == 0, "a SiLU tile pairs gate and up blocks");
+  constexpr int G = E == Tile::kSilu ? NR / 2 : NR;  // output blocks
   const int64_t chunks = K / 32;
   const uint16_t* w[NR];
-  for (int j = 0; j < NR; ++j) w[j] = wp + (nb + j) * chunks * 512;
+  for (int j = 0; j < NR; ++j)
+    w[j] = wp + (nb + (j < G ? j : N / 32 + j - G)) * chunks * 512;
   const uint16_t* xr[MR];
   const float* xfr[MR];
   for (int m = 0; m < MR; ++m) {
@@ -91,12 +102,22 @@ void micro(const uint16_t* x, const float* xf, const uint16_t* wp, const c10::BF
       }
     }
   }
-  KILN_UNROLL
-  for (int j = 0; j < NR; ++j) {
-    const V16 b = bias16(bias, (nb + j) * 16);
+  if constexpr (E == Tile::kSilu) {
     KILN_UNROLL
-    for (int m = 0; m < MR; ++m)
-      store_bf16(y + (m0 + m) * N + (nb + j) * 16, kiln_isa::add(acc[m][j], b));
+    for (int j = 0; j < G; ++j)
+      KILN_UNROLL
+      for (int m = 0; m < MR; ++m)
+        store_bf16(y + (m0 + m) * (N / 2) + (nb + j) * 16,
+                   kiln_isa::silu_mul(kiln_isa::round_bf16(acc[m][j]),
+                                      kiln_isa::round_bf16(acc[m][j + G])));
+  } else {
+    KILN_UNROLL
+    for (int j = 0; j < NR; ++j) {
+      const V16 b = bias16(bias, (nb + j) * 16);
+      KILN_UNROLL
+      for (int m = 0; m < MR; ++m)
+        store_bf16(y + (m0 + m) * N + (nb + j) * 16, kiln_isa::add(acc[m][j], b));
+    }
   }
 }
 
@@ -109,6 +130,11 @@ template <int MR>
 constexpr MicroFn kRow[4] = {micro<MR, 1>, micro<MR, 2>, micro<MR, 3>, micro<MR, 4>};
 constexpr const MicroFn* kMicro[4] = {kRow<1>, kRow<2>, kRow<3>, kRow<4>};
 static_assert(kMR <= 4 && kNR <= 4, "kMicro covers register tiles up to 4 x 4");
+// kSiluMicro[rows - 1][gate blocks - 1]: a gate and an up block per output block.
+template <int MR>
+constexpr MicroFn kSiluRow[2] = {micro<MR, 2, Tile::kSilu>, micro<MR, 4, Tile::kSilu>};
+constexpr const MicroFn* kSiluMicro[4] = {kSiluRow<1>, kSiluRow<2>, kSiluRow<3>,
+                                          kSiluRow<4>};
 
 // 5..8 rows (a decode step verifying draft tokens) in one tile: each weight row is loaded
 // once for all of them, where 4-row tiles loaded it twice. Column blocks per tile: as many
@@ -131,6 +157,23 @@ void tall_gemm(const uint16_t* x, const float* xf, const uint16_t* wp,
   });
 }
 
+// Register tiles from `table` ([rows - 1][tile's output blocks - 1]) over `blocks` output
+// blocks, `step` a tile. Threads split the blocks: each weight line is read by one thread.
+void run_tiles(const MicroFn* const* table, int64_t blocks, int64_t step, const uint16_t* x,
+               const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
+               c10::BFloat16* y, int64_t M, int64_t K, int64_t N) {
+  at::parallel_for(0, blocks, step, [&](int64_t begin, int64_t end) {
+    for (int64_t mb = 0; mb < M; mb += kMBlock) {
+      const int64_t me = std::min(M, mb + kMBlock);
+      for (int64_t nb = begin; nb < end; nb += step) {
+        const int64_t nr = std::min<int64_t>(step, end - nb);
+        for (int64_t m = mb; m < me; m += kMR)
+          table[std::min<int64_t>(kMR, me - m) - 1][nr - 1](x, xf, wp, bias, y, K, N, m, nb);
+      }
+    }
+  });
+}
+
 void tile_gemm(const uint16_t* x, const float* xf, const uint16_t* wp,
                const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K,
                int64_t N) {
@@ -138,17 +181,7 @@ void tile_gemm(const uint16_t* x, const float* xf, const uint16_t* wp,
     tall_gemm(x, xf, wp, bias, y, M, K, N);
     return;
   }
-  // Threads split the column blocks: each weight line is read by one thread only.
-  at::parallel_for(0, N / 16, kNR, [&](int64_t begin, int64_t end) {
-    for (int64_t mb = 0; mb < M; mb += kMBlock) {
-      const int64_t me = std::min(M, mb + kMBlock);
-      for (int64_t nb = begin; nb < end; nb += kNR) {
-        const int64_t nr = std::min<int64_t>(kNR, end - nb);
-        for (int64_t m = mb; m < me; m += kMR)
-          kMicro[std::min<int64_t>(kMR, me - m) - 1][nr - 1](x, xf, wp, bias, y, K, N, m, nb);
-      }
-    }
-  });
+  run_tiles(kMicro, N / 16, kNR, x, xf, wp, bias, y, M, K, N);
 }
 
 #ifdef KILN_PANEL_GEMM
@@ -223,6 +256,18 @@ void panel_gemm(const float* xf, const uint16_t* wp, const c10::BFloat16* bias,
 #endif
 
 
+// The FMA path broadcasts from an fp32 copy of x, widened here rather than through an
+// ATen conversion: at decode sizes that op's dispatch cost more than the widening. None
+// where the CPU multiplies bf16 pairs itself.
+std::unique_ptr<float[]> widened(const uint16_t* xp, int64_t M, int64_t K) {
+  std::unique_ptr<float[]> xf;
+  if (!kiln_isa::kNativeBf16) {
+    xf.reset(new float[M * K]);  // K % 32 == 0: whole V16s
+    for (int64_t i = 0; i < M * K; i += 16) kiln_isa::storeu(xf.get() + i, load_bf16(xp + i));
+  }
+  return xf;
+}
+
 // The bias as the kernels read it: bf16, contiguous; none when absent.
 c10::optional<at::Tensor> bf16_bias(const c10::optional<at::Tensor>& bias) {
   if (!bias.has_value() || !bias->defined()) return c10::nullopt;
@@ -263,13 +308,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
     return y;
   }
 #endif
-  // The FMA path broadcasts from an fp32 copy of x, widened here rather than through an
-  // ATen conversion: at decode sizes that op's dispatch cost more than the widening.
-  std::unique_ptr<float[]> xf;
-  if (!kiln_isa::kNativeBf16) {
-    xf.reset(new float[M * K]);  // K % 32 == 0: whole V16s
-    for (int64_t i = 0; i < M * K; i += 16) kiln_isa::storeu(xf.get() + i, load_bf16(xp + i));
-  }
+  const auto xf = widened(xp, M, K);
 #ifdef KILN_PANEL_GEMM
   if (M >= kiln_isa::kPanelFrom) {
     panel_gemm(xf.get(), wptr, bp, yp, M, K, N);
@@ -283,20 +322,22 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
 at::Tensor silu_and_mul(const at::Tensor& x);  // pointwise.cpp
 
 // silu_and_mul(linear_packed(x, wp)) for SwiGLU's gate_up projection (w = [gate | up], no
-// bias), the same bits. On tiles the activation runs in the GEMM's epilogue
-// (linear_bf16_amx.h): at 2,000 tokens of SmolLM2 the separate op spent 0.75 ms a layer
-// reading back the [M, 2I] product the GEMM had just written. Elsewhere (decode sizes, the
-// register kernels, oneDNN's rows) the two steps run one after the other.
+// bias), the same bits. The activation runs in the GEMM's epilogue: on tiles
+// (linear_bf16_amx.h; at 2,000 tokens of SmolLM2 the separate op spent 0.75 ms a layer
+// reading back the [M, 2I] product the GEMM had just written) and in the register tiles
+// (Tile::kSilu; Zen 4, avx512_bf16, 2,000 x 576 -> 3,072: FILL). Elsewhere (the
+// tall and AVX2 tiles, whose registers hold one block a row, the AVX2 panel, oneDNN's
+// rows) the two steps run one after the other.
 at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& wp,
                               const c10::optional<at::Tensor>& dense, int64_t dense_from) {
   TORCH_CHECK(wp.dim() == 4 && wp.size(0) % 2 == 0,
               "linear_packed_silu: a packed [gate | up] weight of an even block count");
-#ifdef __AMX_TILE__
   const int64_t M = x.size(0), K = wp.size(1) * 32, N = wp.size(0) * 16;
-  if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows &&
-      !dense_rows(dense, dense_from, M) &&
-      x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K &&
-      wp.scalar_type() == at::kBFloat16 && wp.is_contiguous()) {
+  const bool fusable = !dense_rows(dense, dense_from, M) && x.scalar_type() == at::kBFloat16 &&
+                       x.dim() == 2 && x.size(1) == K && wp.scalar_type() == at::kBFloat16 &&
+                       wp.size(2) == 16 && wp.size(3) == 32 && wp.is_contiguous();
+#ifdef __AMX_TILE__
+  if (fusable && kiln_amx::state().enabled && M >= kiln_amx::state().min_rows) {
     auto y = at::empty({M, N / 2}, x.options());
     const auto xc = x.contiguous();
     amx_gemm(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
@@ -306,6 +347,17 @@ at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& wp,
     return y;
   }
 #endif
+  if constexpr (kNR >= 2) {
+    if (fusable && M > 0 && !(M >= 5 && M <= 8)) {
+      auto y = at::empty({M, N / 2}, x.options());
+      const auto xc = x.contiguous();
+      const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+      run_tiles(kSiluMicro, N / 32, kNR / 2, xp, widened(xp, M, K).get(),
+                reinterpret_cast<const uint16_t*>(wp.data_ptr()), nullptr,
+                y.data_ptr<c10::BFloat16>(), M, K, N);
+      return y;
+    }
+  }
   return silu_and_mul(linear_packed(x, wp, c10::nullopt, dense, dense_from));
 }
 

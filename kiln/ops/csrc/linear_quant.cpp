@@ -304,8 +304,9 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor silu_and_mul(const at::Tensor& x);  // pointwise.cpp
 
 // silu_and_mul(linear_quant(x, ...)) for SwiGLU's [gate | up] projection (no bias), the
-// same bits: on AMX tiles at panel row counts the activation runs in the GEMM's epilogue
-// (linear_quant_bf16.cpp), elsewhere the two steps run one after the other.
+// same bits: at panel row counts on AVX512-BF16 hosts the activation runs in the native-bf16
+// panel's epilogue (linear_quant_bf16.cpp: not writing and reading back the [M, N] product),
+// elsewhere the two steps run one after the other.
 at::Tensor linear_quant_silu(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                              int64_t fmt, int64_t panel_from) {

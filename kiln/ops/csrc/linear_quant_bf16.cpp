@@ -63,8 +63,10 @@ void weights_to_bf16(const QArgs& a, int64_t nb, uint16_t* panel) {
 }
 
 // Rows m0..m0+MR (bf16 x) against the NR converted blocks starting at column block nb.
-// Accumulators in registers: KILN_UNROLL (simd.h).
-template <int F, int MR, int NR>
+// Accumulators in registers: KILN_UNROLL (simd.h). kSilu: panels are NR / 2 gate blocks
+// from nb on, then their up blocks; y [M, N / 2] = silu(g) * u, g and u rounded to bf16 as
+// the plain tile stores them (the same bits as silu_and_mul after it).
+template <int F, int MR, int NR, bool kSilu = false>
 void bf16_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels, int64_t m0,
                int64_t nb) {
   const int64_t chunks = a.K / 32;
@@ -86,14 +88,29 @@ void bf16_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels,
         for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xp, w[j]);
       }
     }
-  KILN_UNROLL
-  for (int j = 0; j < NR; ++j) {
-    const int64_t col = (nb + j) * 16;
+  const auto out = [&](int m, int j, int64_t col) {
+    V16 v = acc[m][j];
+    if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a.scale32 + col));
+    return finish(a, v, col);
+  };
+  if constexpr (kSilu) {
+    constexpr int G = NR / 2;
+    auto* y = static_cast<c10::BFloat16*>(a.y);
     KILN_UNROLL
-    for (int m = 0; m < MR; ++m) {
-      V16 v = acc[m][j];
-      if constexpr (F == kInt8) v = kiln_isa::mul(v, kiln_isa::loadu(a.scale32 + col));
-      store_out(a, m0 + m, col, finish(a, v, col));
+    for (int j = 0; j < G; ++j) {
+      const int64_t col = (nb + j) * 16;
+      KILN_UNROLL
+      for (int m = 0; m < MR; ++m)
+        kiln_isa::store_bf16(y + (m0 + m) * (a.N / 2) + col,
+                             kiln_isa::silu_mul(kiln_isa::round_bf16(out(m, j, col)),
+                                                kiln_isa::round_bf16(out(m, j + G, col + a.N / 2))));
+    }
+  } else {
+    KILN_UNROLL
+    for (int j = 0; j < NR; ++j) {
+      const int64_t col = (nb + j) * 16;
+      KILN_UNROLL
+      for (int m = 0; m < MR; ++m) store_out(a, m0 + m, col, out(m, j, col));
     }
   }
 }
@@ -106,6 +123,12 @@ constexpr Bf16TileFn kBf16Row[4] = {bf16_tile<F, 1, NR>, bf16_tile<F, 2, NR>,
 template <int F>
 constexpr const Bf16TileFn* kBf16Tiles[kCodeBlocks] = {kBf16Row<F, 1>, kBf16Row<F, 2>,
                                                        kBf16Row<F, 3>, kBf16Row<F, 4>};
+// [gate blocks - 1][rows - 1]: SiLU tiles of one or two gate blocks and their up blocks.
+template <int F, int G>
+constexpr Bf16TileFn kSiluRow[4] = {bf16_tile<F, 1, 2 * G, true>, bf16_tile<F, 2, 2 * G, true>,
+                                    bf16_tile<F, 3, 2 * G, true>, bf16_tile<F, 4, 2 * G, true>};
+template <int F>
+constexpr const Bf16TileFn* kBf16SiluTiles[2] = {kSiluRow<F, 1>, kSiluRow<F, 2>};
 
 #ifdef __AMX_TILE__
 // With AMX the converted blocks, already in the B tiles' layout, run on tiles: up to 32
@@ -178,6 +201,35 @@ void amx_panel_gemm(const QArgs& a, const uint16_t* x, Epilogue epilogue) {
 }
 #endif
 
+// The register panel. A thread's units are column blocks (kCodeBlocks a tile), or with
+// kSilu gate blocks (two a tile), each converted with its up block: panels j and nu + j.
+template <int F, bool kSilu>
+void register_panel_gemm(const QArgs& a, const uint16_t* x) {
+  constexpr int64_t MR = 4, NB = kCodeBlocks, kGrain = kSilu ? NB / 2 : NB;
+  const int64_t half = a.N / 32, units = kSilu ? half : a.N / 16;
+  const int64_t fit = std::max<int64_t>(MR, kPanelXBytes / (a.K * 2) / MR * MR);
+  const int64_t blocks = (a.M + fit - 1) / fit;
+  const int64_t block = ((a.M + blocks - 1) / blocks + MR - 1) / MR * MR;
+  at::parallel_for(0, units, kGrain, [&](int64_t begin, int64_t end) {
+    const auto buf = kiln_isa::aligned_buffer<uint16_t>(NB * a.K * 16);
+    uint16_t* panels[NB];
+    for (int j = 0; j < NB; ++j) panels[j] = buf.get() + j * a.K * 16;
+    for (int64_t mb = 0; mb < a.M; mb += block) {
+      const int64_t me = std::min(a.M, mb + block);
+      for (int64_t u = begin; u < end; u += kGrain) {
+        const int64_t nu = std::min<int64_t>(kGrain, end - u);
+        for (int j = 0; j < nu; ++j) {
+          weights_to_bf16<F>(a, u + j, panels[j]);
+          if constexpr (kSilu) weights_to_bf16<F>(a, u + j + half, panels[nu + j]);
+        }
+        const Bf16TileFn* tiles = kSilu ? kBf16SiluTiles<F>[nu - 1] : kBf16Tiles<F>[nu - 1];
+        for (int64_t m = mb; m < me; m += MR)
+          tiles[std::min<int64_t>(MR, me - m) - 1](a, x, panels, m, u);
+      }
+    }
+  });
+}
+
 template <int F>
 void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
 #ifdef __AMX_TILE__
@@ -186,47 +238,30 @@ void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
     return;
   }
 #endif
-  constexpr int64_t MR = 4, NB = kCodeBlocks;
-  const int64_t fit = std::max<int64_t>(MR, kPanelXBytes / (a.K * 2) / MR * MR);
-  const int64_t blocks = (a.M + fit - 1) / fit;
-  const int64_t block = ((a.M + blocks - 1) / blocks + MR - 1) / MR * MR;
-  at::parallel_for(0, a.N / 16, NB, [&](int64_t begin, int64_t end) {
-    const auto buf = kiln_isa::aligned_buffer<uint16_t>(NB * a.K * 16);
-    const uint16_t* panels[NB];
-    for (int j = 0; j < NB; ++j) panels[j] = buf.get() + j * a.K * 16;
-    for (int64_t mb = 0; mb < a.M; mb += block) {
-      const int64_t me = std::min(a.M, mb + block);
-      for (int64_t nb = begin; nb < end; nb += NB) {
-        const int64_t nr = std::min<int64_t>(NB, end - nb);
-        for (int j = 0; j < nr; ++j) weights_to_bf16<F>(a, nb + j, buf.get() + j * a.K * 16);
-        for (int64_t m = mb; m < me; m += MR)
-          kBf16Tiles<F>[nr - 1][std::min<int64_t>(MR, me - m) - 1](a, x, panels, m, nb);
-      }
-    }
-  });
+  register_panel_gemm<F, false>(a, x);
 }
 
+// SiLU in the epilogue: on tiles (AMX) or in the register tiles (y: a.y, [M, N / 2]).
 template <int F>
-bool amx_silu(const QArgs& a, const uint16_t* x, c10::BFloat16* y) {
+void panel_silu(const QArgs& a, const uint16_t* x, c10::BFloat16* y) {
 #ifdef __AMX_TILE__
   if (kiln_amx::state().enabled && a.M >= kiln_amx::state().min_rows) {
     const float* scale = F == kInt8 ? a.scale32 : nullptr;
     amx_panel_gemm<F, true>(
         a, x, kiln_amx::SiluEpilogue{reinterpret_cast<uint16_t*>(y), a.N / 32, scale});
-    return true;
+    return;
   }
 #endif
-  (void)a, (void)x, (void)y;
-  return false;
+  register_panel_gemm<F, true>(a, x);
 }
 
 }  // namespace
 
 bool bf16_panel_silu(const QArgs& a, const uint16_t* x, int64_t fmt, c10::BFloat16* y) {
   switch (fmt) {
-    case kInt8: return amx_silu<kInt8>(a, x, y);
-    case kQ8: return amx_silu<kQ8>(a, x, y);
-    default: return amx_silu<kQ4>(a, x, y);
+    case kInt8: panel_silu<kInt8>(a, x, y); return true;
+    case kQ8: panel_silu<kQ8>(a, x, y); return true;
+    default: panel_silu<kQ4>(a, x, y); return true;
   }
 }
 
