@@ -100,10 +100,11 @@ void bf16_tile(const QArgs& a, const uint16_t* x, const uint16_t* const* panels,
     for (int j = 0; j < G; ++j) {
       const int64_t col = (nb + j) * 16;
       KILN_UNROLL
-      for (int m = 0; m < MR; ++m)
-        kiln_isa::store_bf16(y + (m0 + m) * (a.N / 2) + col,
-                             kiln_isa::silu_mul(kiln_isa::round_bf16(out(m, j, col)),
-                                                kiln_isa::round_bf16(out(m, j + G, col + a.N / 2))));
+      for (int m = 0; m < MR; ++m) {
+        const V16 g = kiln_isa::round_bf16(out(m, j, col));
+        const V16 u = kiln_isa::round_bf16(out(m, j + G, col + a.N / 2));
+        kiln_isa::store_bf16(y + (m0 + m) * (a.N / 2) + col, kiln_isa::silu_mul(g, u));
+      }
     }
   } else {
     KILN_UNROLL
