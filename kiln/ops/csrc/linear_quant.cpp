@@ -318,9 +318,7 @@ at::Tensor linear_quant_silu(const at::Tensor& x, const at::Tensor& codes,
     auto y = at::empty({M, N / 2}, x.options());
     const auto xc = x.contiguous();
     const QArgs a = weight_args(xc, codes, scales, mins, at::Tensor(), y, fmt);
-    if (bf16_panel_silu(a, reinterpret_cast<const uint16_t*>(xc.data_ptr()), fmt,
-                        y.data_ptr<c10::BFloat16>()))
-      return y;
+    if (bf16_panel_silu(a, reinterpret_cast<const uint16_t*>(xc.data_ptr()), fmt)) return y;
   }
   return silu_and_mul(linear_quant(x, codes, scales, mins, c10::nullopt, fmt, panel_from));
 }

@@ -94,10 +94,10 @@ constexpr int64_t kPanelXBytes = 256 * 1024;  // the x rows one panel pass reuse
 // where this build has none (no AVX512-BF16): the caller runs the fp32 panel.
 bool bf16_panel(const QArgs& a, const uint16_t* x, int64_t fmt);
 
-// silu(g) * u of a [gate | up] weight (no bias) into y [M, N / 2], the activation in the
+// silu(g) * u of a [gate | up] weight (no bias) into a.y [M, N / 2], the activation in the
 // native-bf16 panel's epilogue, on AMX tiles or in its register tiles (linear_quant_bf16.cpp).
 // False where this build has no such panel (no AVX512-BF16).
-bool bf16_panel_silu(const QArgs& a, const uint16_t* x, int64_t fmt, c10::BFloat16* y);
+bool bf16_panel_silu(const QArgs& a, const uint16_t* x, int64_t fmt);
 
 // The direct Q4 kernel for bf16 x over int8 activations (linear_quant_x8.cpp, below
 // `panel` row counts): VNNI on AVX512-BF16 builds, maddubs on AVX2 builds. False where

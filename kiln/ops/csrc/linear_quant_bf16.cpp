@@ -126,10 +126,11 @@ constexpr const Bf16TileFn* kBf16Tiles[kCodeBlocks] = {kBf16Row<F, 1>, kBf16Row<
                                                        kBf16Row<F, 3>, kBf16Row<F, 4>};
 // [gate blocks - 1][rows - 1]: SiLU tiles of one or two gate blocks and their up blocks.
 template <int F, int G>
-constexpr Bf16TileFn kSiluRow[4] = {bf16_tile<F, 1, 2 * G, true>, bf16_tile<F, 2, 2 * G, true>,
-                                    bf16_tile<F, 3, 2 * G, true>, bf16_tile<F, 4, 2 * G, true>};
+constexpr Bf16TileFn kBf16SiluRow[4] = {
+    bf16_tile<F, 1, 2 * G, true>, bf16_tile<F, 2, 2 * G, true>, bf16_tile<F, 3, 2 * G, true>,
+    bf16_tile<F, 4, 2 * G, true>};
 template <int F>
-constexpr const Bf16TileFn* kBf16SiluTiles[2] = {kSiluRow<F, 1>, kSiluRow<F, 2>};
+constexpr const Bf16TileFn* kBf16SiluTiles[2] = {kBf16SiluRow<F, 1>, kBf16SiluRow<F, 2>};
 
 #ifdef __AMX_TILE__
 // With AMX the converted blocks, already in the B tiles' layout, run on tiles: up to 32
@@ -242,14 +243,14 @@ void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
   register_panel_gemm<F, false>(a, x);
 }
 
-// SiLU in the epilogue: on tiles (AMX) or in the register tiles (y: a.y, [M, N / 2]).
+// SiLU in the epilogue, into a.y ([M, N / 2]): on tiles (AMX) or in the register tiles.
 template <int F>
-void panel_silu(const QArgs& a, const uint16_t* x, c10::BFloat16* y) {
+void panel_silu(const QArgs& a, const uint16_t* x) {
 #ifdef __AMX_TILE__
   if (kiln_amx::state().enabled && a.M >= kiln_amx::state().min_rows) {
     const float* scale = F == kInt8 ? a.scale32 : nullptr;
     amx_panel_gemm<F, true>(
-        a, x, kiln_amx::SiluEpilogue{reinterpret_cast<uint16_t*>(y), a.N / 32, scale});
+        a, x, kiln_amx::SiluEpilogue{static_cast<uint16_t*>(a.y), a.N / 32, scale});
     return;
   }
 #endif
@@ -258,11 +259,11 @@ void panel_silu(const QArgs& a, const uint16_t* x, c10::BFloat16* y) {
 
 }  // namespace
 
-bool bf16_panel_silu(const QArgs& a, const uint16_t* x, int64_t fmt, c10::BFloat16* y) {
+bool bf16_panel_silu(const QArgs& a, const uint16_t* x, int64_t fmt) {
   switch (fmt) {
-    case kInt8: panel_silu<kInt8>(a, x, y); return true;
-    case kQ8: panel_silu<kQ8>(a, x, y); return true;
-    default: panel_silu<kQ4>(a, x, y); return true;
+    case kInt8: panel_silu<kInt8>(a, x); return true;
+    case kQ8: panel_silu<kQ8>(a, x); return true;
+    default: panel_silu<kQ4>(a, x); return true;
   }
 }
 
@@ -275,7 +276,7 @@ bool bf16_panel(const QArgs& a, const uint16_t* x, int64_t fmt) {
 }
 #else
 bool bf16_panel(const QArgs&, const uint16_t*, int64_t) { return false; }
-bool bf16_panel_silu(const QArgs&, const uint16_t*, int64_t, c10::BFloat16*) { return false; }
+bool bf16_panel_silu(const QArgs&, const uint16_t*, int64_t) { return false; }
 #endif
 
 }  // namespace kiln_quant
