@@ -45,6 +45,11 @@ class AttentionMetadata:
     block_size: int
     # The group's window (every layer of a KV-cache group shares its spec): None = full.
     sliding_window: int | None = None
+    # Layer `keep_layer` (counted as the runner counts its caches) needs only the last
+    # query_keep[r] query rows of request r (kiln.runner.kept_rows); a backend may
+    # compute those alone and return zeros in the others, or compute every row.
+    query_keep: list[int] | None = None
+    keep_layer: int = -1
 
     def activate(self, groups: Sequence[AttentionMetadata], kv_caches: Sequence[torch.Tensor],
                  layer_groups: Sequence[int], specs: Sequence[AttentionLayerSpec]) -> None:

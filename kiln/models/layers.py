@@ -20,14 +20,15 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
-        return linear(x, layer.weight, bias, layer.packed_weight, layer.dense_from)
+        return linear(x, layer.weight, bias, layer.packed_weight, layer.dense_from,
+                      layer.kept_rows)
 
     def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """silu_and_mul of the GEMM without bias; over a packed weight one kernel
         (kiln.ops.linear.linear_silu)."""
         wp = layer.packed_weight
         if wp is not None and wp.shape[0] % 2 == 0:
-            return linear_silu(x, layer.weight, wp, layer.dense_from)
+            return linear_silu(x, layer.weight, wp, layer.dense_from, layer.kept_rows)
         return silu_and_mul(self.apply(layer, x, None))
 
 
@@ -56,6 +57,11 @@ class Linear(nn.Linear):
         # LoRA slots (kiln.lora.layers.install_slots), when the engine enables LoRA.
         for name in ("lora_a", "lora_b", "lora_scaling", "lora_indices"):
             self.register_buffer(name, None, persistent=False)
+        # Which rows of the output anyone reads (the kernels' hint, csrc/kept_rows.h), set
+        # by the runner (kiln.runner.kept_rows) on the linears after each attention: its
+        # per-step buffer in the last layer, a constant "every row" in the others; None
+        # (every row) in every other linear and in a model the runner leaves alone.
+        self.register_buffer("kept_rows", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return add_lora(self, self.quant_method.apply(self, x, self.bias), x)

@@ -20,7 +20,7 @@ from torch import nn
 from kiln.attention.layer import Attention
 from kiln.distributed.parallel_state import tp_size
 from kiln.distributed.pipeline import pipeline_stage
-from kiln.models.layers import DecoderLayers, RMSNorm, RotaryEmbedding
+from kiln.models.layers import DecoderLayers, Linear, RMSNorm, RotaryEmbedding
 from kiln.models.linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
 from kiln.models.model_config import ModelConfig
 from kiln.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -176,6 +176,19 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def linears_after_attention(self) -> list[list[nn.Module]]:
+        """Per decoder layer, the linears that see only its attention's output rows, one
+        row each (kiln.runner.kept_rows): o_proj and a dense MLP's projections. A mixture
+        of experts is left out: it routes rows between experts."""
+        found = []
+        for layer in self.model.layers:
+            mlp = layer.mlp
+            dense = [] if isinstance(mlp, SparseMoeBlock) else [
+                getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
+            found.append([m for m in (layer.self_attn.o_proj, *dense)
+                          if isinstance(m, Linear)])
+        return found
 
     def checkpoint_name(self, name: str) -> tuple[str, str | None] | None:
         """Map a checkpoint tensor name to (parameter name, shard id); None = skip it."""

@@ -12,15 +12,15 @@ import torch
 
 SCHEMAS = (
     ("linear_packed(Tensor x, Tensor wp, Tensor? bias, Tensor? dense=None, "
-     "int dense_from=0) -> Tensor"),
-    ("linear_packed_silu(Tensor x, Tensor wp, Tensor? dense=None, int dense_from=0) "
-     "-> Tensor"),
+     "int dense_from=0, Tensor? rows=None) -> Tensor"),
+    ("linear_packed_silu(Tensor x, Tensor wp, Tensor? dense=None, int dense_from=0, "
+     "Tensor? rows=None) -> Tensor"),
     ("linear_packed_rope(Tensor x, Tensor wp, Tensor? bias, Tensor positions, Tensor cos, "
      "Tensor sin, int rope_cols, Tensor? dense=None, int dense_from=0) -> Tensor"),
     ("linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, "
-     "int fmt, int panel_from) -> Tensor"),
+     "int fmt, int panel_from, Tensor? rows=None) -> Tensor"),
     ("linear_quant_silu(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int fmt, "
-     "int panel_from) -> Tensor"),
+     "int panel_from, Tensor? rows=None) -> Tensor"),
     ("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scaling, "
      "Tensor indices) -> ()"),
     "apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()",
@@ -55,8 +55,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kiln_cpu::linear_packed")
     def _linear_packed_fake(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None,
-                            dense: torch.Tensor | None = None,
-                            dense_from: int = 0) -> torch.Tensor:
+                            dense: torch.Tensor | None = None, dense_from: int = 0,
+                            rows: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty((x.shape[0], wp.shape[0] * 16))
 
     @torch.library.register_fake("kiln_cpu::linear_packed_rope")
@@ -68,20 +68,21 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kiln_cpu::linear_packed_silu")
     def _linear_packed_silu_fake(x: torch.Tensor, wp: torch.Tensor,
-                                 dense: torch.Tensor | None = None,
-                                 dense_from: int = 0) -> torch.Tensor:
+                                 dense: torch.Tensor | None = None, dense_from: int = 0,
+                                 rows: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty((x.shape[0], wp.shape[0] * 8))
 
     @torch.library.register_fake("kiln_cpu::linear_quant")
     def _linear_quant_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                            mins: torch.Tensor | None, bias: torch.Tensor | None, fmt: int,
-                           panel_from: int) -> torch.Tensor:
+                           panel_from: int, rows: torch.Tensor | None = None
+                           ) -> torch.Tensor:
         return x.new_empty((x.shape[0], codes.shape[0] * 16))
 
     @torch.library.register_fake("kiln_cpu::linear_quant_silu")
     def _linear_quant_silu_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                                mins: torch.Tensor | None, fmt: int,
-                                panel_from: int) -> torch.Tensor:
+                                mins: torch.Tensor | None, fmt: int, panel_from: int,
+                                rows: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty((x.shape[0], codes.shape[0] * 8))
 
     @torch.library.register_fake("kiln_cpu::lora_add_")

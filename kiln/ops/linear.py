@@ -31,25 +31,29 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, dense_from: int = 0) -> torch.Tensor:
+           packed: torch.Tensor | None = None, dense_from: int = 0,
+           rows: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias; over `packed` when the layer has it, with F.linear on the
-    plain `weight` (kept for the purpose) from `dense_from` rows on when that is set."""
+    plain `weight` (kept for the purpose) from `dense_from` rows on when that is set.
+    `rows`: the kept-rows hint of kiln's CPU kernels (csrc/kept_rows.h), which may then
+    return zeros in the rows it does not name; other paths compute every row."""
     if packed is None:
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
     out = torch.ops.kiln_cpu.linear_packed(x.reshape(-1, x.shape[-1]), packed, bias,
-                                           weight if dense_from else None, dense_from)
+                                           weight if dense_from else None, dense_from, rows)
     return out.view(*lead, out.shape[-1])
 
 
 def linear_silu(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
-                dense_from: int = 0) -> torch.Tensor:
+                dense_from: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
     """silu(g) * u of x @ [gate | up].T over the packed weight, the activation in the
     GEMM's epilogue on tiles and AVX512 register tiles (csrc/linear_bf16.cpp): the same
     bits as `linear` followed by kiln.ops.pointwise.silu_and_mul."""
     lead = x.shape[:-1]
     out = torch.ops.kiln_cpu.linear_packed_silu(x.reshape(-1, x.shape[-1]), packed,
-                                                weight if dense_from else None, dense_from)
+                                                weight if dense_from else None, dense_from,
+                                                rows)
     return out.view(*lead, out.shape[-1])
 
 
@@ -69,14 +73,15 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, bias: torch.Tensor | None, fmt: int,
-                 panel_from: int = 0) -> torch.Tensor:
+                 panel_from: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequant(w).T + bias over a quantized weight (kiln.ops.quant_packing):
     kiln's CPU kernel where it is loaded, the Triton dequant-GEMM on CUDA; elsewhere the
     exact reference (the weight dequantized per call: slower, same numbers)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if cpu_kernels.planned() and x.device.type == "cpu" and fmt != FP8:  # FP8: CUDA only
-        out = torch.ops.kiln_cpu.linear_quant(x2, codes, scales, mins, bias, fmt, panel_from)
+        out = torch.ops.kiln_cpu.linear_quant(x2, codes, scales, mins, bias, fmt, panel_from,
+                                              rows)
     elif x.device.type == "cuda":
         from kiln.ops.triton_quant import linear_quant_cuda
 
@@ -88,16 +93,17 @@ def linear_quant(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 def linear_quant_silu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                      mins: torch.Tensor | None, fmt: int, panel_from: int = 0
-                      ) -> torch.Tensor:
+                      mins: torch.Tensor | None, fmt: int, panel_from: int = 0,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
     """silu(g) * u of x @ dequant([gate | up]).T: the activation in the native-bf16
     panel's epilogue where it runs (csrc/linear_quant_bf16.cpp), the same bits as
     `linear_quant` followed by kiln.ops.pointwise.silu_and_mul everywhere."""
     if not (kernel_applies(x) and fmt != FP8 and codes.shape[0] % 2 == 0):
-        return silu_and_mul(linear_quant(x, codes, scales, mins, None, fmt, panel_from))
+        return silu_and_mul(linear_quant(x, codes, scales, mins, None, fmt, panel_from,
+                                         rows))
     lead = x.shape[:-1]
     out = torch.ops.kiln_cpu.linear_quant_silu(x.reshape(-1, x.shape[-1]), codes, scales,
-                                               mins, fmt, panel_from)
+                                               mins, fmt, panel_from, rows)
     return out.view(*lead, out.shape[-1])
 
 

@@ -30,11 +30,11 @@ class QuantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
         return linear_quant(x, layer.qcodes, layer.qscales, layer.qmins, bias, layer.qfmt,
-                            layer.panel_from)
+                            layer.panel_from, layer.kept_rows)
 
     def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return linear_quant_silu(x, layer.qcodes, layer.qscales, layer.qmins, layer.qfmt,
-                                 layer.panel_from)
+                                 layer.panel_from, layer.kept_rows)
 
 
 def install(layer: nn.Module, weight: QuantWeight, method: QuantizedLinearMethod,

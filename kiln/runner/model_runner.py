@@ -38,6 +38,7 @@ from kiln.runner.buffers import CpuGpuBuffer
 from kiln.runner.cudagraphs import (capture_all, graph_factory, resolve_dispatcher, wrap_full,
                                     wrap_pieces)
 from kiln.runner.drafter import make_drafter
+from kiln.runner.kept_rows import KeptRows, step_rows
 from kiln.runner.kv_alloc import build_kv_cache
 from kiln.runner.load import load_weights
 from kiln.runner.phases import Phases
@@ -81,6 +82,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self._alloc_buffers()
+        self.kept_rows = KeptRows(self.model, limits.max_num_batched_tokens, device)
         self._init_lora(lora)
         # With speculation, uniform decode also comes as 1 + k tokens per request.
         self._spec_k = speculative.num_speculative_tokens if speculative else 0
@@ -246,15 +248,20 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput([], [])
         req_ids = list(so.num_scheduled_tokens)
-        rows, logits_indices, sample_ids = self._step_rows(req_ids, so)
+        step = step_rows(self.requests, req_ids, so, self._lora_slots(req_ids))
+        rows, logits_indices, sample_ids = step.rows, step.logits_indices, step.sample_ids
         meta = so.kv_connector_metadata if self.kv_connector is not None else None
         if meta is not None:
             if self.lora is not None and self.lora.failed:  # rows that ran without theirs
                 meta.drop_saves(adapter_blocks(map(self.requests.get, req_ids),
                                                self.lora.failed))
             self.kv_connector.start_load_kv(meta, self._kv_buffer)
-        hidden = self.forward_rows(rows, self._spec_k + 1 if so.scheduled_spec_decode_tokens
-                                   else 1)
+        keep = self.kept_rows.plan([self.requests[rid] for rid in req_ids], step)
+        try:
+            hidden = self.forward_rows(rows, self._spec_k + 1 if so.scheduled_spec_decode_tokens
+                                       else 1, keep)
+        finally:
+            self.kept_rows.reset()
         if self.pipeline is not None and not self.pipeline.stage.last:
             return ModelRunnerOutput(req_ids, [])  # the last stage samples and answers
         out = ModelRunnerOutput(req_ids, [], failed_loras=self.lora.failed if self.lora else {})
@@ -276,37 +283,13 @@ class ModelRunner:
             out.spec_token_ids = self.drafter.propose(rows, states)
         return out
 
-    def _step_rows(self, req_ids: list[str], so: SchedulerOutput
-                   ) -> tuple[list[StepRow], list[int], list[str]]:
-        """Each request's inputs (its real tokens, then its drafts), the hidden rows whose
-        logits are needed (the last real token and every draft of a request that
-        samples) and which requests sample."""
-        slots = self._lora_slots(req_ids)
-        spec = so.scheduled_spec_decode_tokens
-        rows: list[StepRow] = []
-        logits_indices: list[int] = []
-        sample_ids: list[str] = []
-        offset = 0
-        for i, rid in enumerate(req_ids):
-            state, n = self.requests[rid], so.num_scheduled_tokens[rid]
-            drafts = spec.get(rid, [])
-            start = state.num_computed_tokens
-            real_end = start + n - len(drafts)
-            tokens = state.token_ids[start:real_end]
-            rows.append(StepRow(tokens + drafts if drafts else tokens, start, state.block_ids,
-                                -1 if slots is None else slots[i]))
-            offset += n
-            state.spec_token_ids = drafts
-            if real_end >= len(state.token_ids):
-                logits_indices.extend(range(offset - 1 - len(drafts), offset))
-                sample_ids.append(rid)
-        return rows, logits_indices, sample_ids
-
-    def forward_rows(self, rows: list[StepRow], uniform_query_len: int = 1) -> torch.Tensor:
+    def forward_rows(self, rows: list[StepRow], uniform_query_len: int = 1,
+                     query_keep: list[int] | None = None) -> torch.Tensor:
         """One forward over `rows` (each request's tokens this step, in batch order):
         fills the persistent buffers, lets the dispatcher pick the graph, pads, builds the
         attention metadata and runs the model. Returns the hidden states, padded rows
-        included ([padded tokens, hidden]); row r's tokens are at query_start_loc[r]..."""
+        included ([padded tokens, hidden]); row r's tokens are at query_start_loc[r]...
+        `query_keep`: the kept rows (kiln.runner.kept_rows), the only rows then read."""
         bs, num_reqs = self.limits.block_size, len(rows)
         qsl, seq_lens = self.query_start_loc.np, self.seq_lens.np
         tables = [t.np for t in self.block_tables]
@@ -354,7 +337,7 @@ class ModelRunner:
             num_reqs, offset_md = desc.num_reqs, padded
         else:
             offset_md = offset
-        metadata = self.build_metadata(offset_md, num_reqs, padded, max_query_len)
+        metadata = self.build_metadata(offset_md, num_reqs, padded, max_query_len, query_keep)
         ctx = self.context(metadata, desc, self.is_padding.device[:padded], mode)
         with set_forward_context(ctx):
             return self.forward(self.input_ids.device[:padded], self.positions.device[:padded])
@@ -369,7 +352,8 @@ class ModelRunner:
         return [-1 if r is None else slot_of[r.lora_int_id] for r in loras]
 
     def build_metadata(self, num_actual_tokens: int, num_reqs: int, num_padded: int,
-                        max_query_len: int) -> list[AttentionMetadata]:
+                        max_query_len: int, query_keep: list[int] | None = None
+                        ) -> list[AttentionMetadata]:
         """The backend's metadata per KV-cache group, from common metadata made of slices
         of the persistent buffers (fixed addresses: a FULL graph reads them on replay).
         Groups share the rows and differ in block table, slot mapping and window. The
@@ -381,6 +365,8 @@ class ModelRunner:
         lens = self.seq_lens.copy_to_device(num_reqs)
         qsl_cpu = self.query_start_loc.np[: num_reqs + 1].tolist()
         lens_cpu = seq_lens[:num_reqs].tolist()
+        if query_keep is not None:  # a FULL graph's padding requests keep nothing
+            query_keep = query_keep + [0] * (num_reqs - len(query_keep))
         out = []
         for group, table, slots in zip(self.kv_groups, self.block_tables, self.slot_mappings):
             common = AttentionMetadata(
@@ -391,6 +377,8 @@ class ModelRunner:
                 query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu,
                 max_query_len=max_query_len, max_seq_len=int(seq_lens[:num_reqs].max()),
                 block_size=self.limits.block_size,
-                sliding_window=getattr(group.spec, "sliding_window", None))
+                sliding_window=getattr(group.spec, "sliding_window", None),
+                query_keep=query_keep,
+                keep_layer=-1 if query_keep is None else self.kept_rows.keep_layer)
             out.append(self.attn_backend_cls.build_metadata(common))
         return out

@@ -39,6 +39,9 @@ class CpuPagedMetadata(AttentionMetadata):
     # reads each key and value row once per run and KV head, not once per token.
     decode_reqs: torch.Tensor | None = None
     prefill_reqs: torch.Tensor | None = None  # [P] int64, the others
+    # [P] int64: the trailing query rows of each prefill entry layer `keep_layer` computes
+    # (query_keep); the C++ op zeroes the others' output there. Empty: every row.
+    prefill_keep: torch.Tensor | None = None
 
     def activate(self, groups: Sequence[AttentionMetadata], kv_caches: Sequence[torch.Tensor],
                  layer_groups: Sequence[int], specs: Sequence[AttentionLayerSpec]) -> None:
@@ -49,7 +52,8 @@ class CpuPagedMetadata(AttentionMetadata):
             [float(s.logits_soft_cap or 0.0) for s in specs], list(layer_groups),
             [g.slot_mapping for g in groups], [g.block_table for g in groups],
             self.seq_lens, self.query_start_loc, self.decode_reqs, self.prefill_reqs,
-            self.num_actual_tokens)
+            self.num_actual_tokens, self.keep_layer if len(self.prefill_keep) else -1,
+            self.prefill_keep)
 
     def deactivate(self) -> None:
         torch.ops.kiln_cpu.clear_batch()
@@ -57,6 +61,14 @@ class CpuPagedMetadata(AttentionMetadata):
 
 def _runs(runs: list[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor(runs, dtype=torch.int64).view(-1, 2)
+
+
+def _keep(common: AttentionMetadata, requests: list[int]) -> torch.Tensor:
+    """Each prefill entry's kept query rows (the request's `query_keep`); empty when the
+    step keeps every row."""
+    keep = common.query_keep
+    return torch.tensor([] if keep is None else [keep[i] for i in requests],
+                        dtype=torch.int64)
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -96,14 +108,15 @@ class CpuPagedBackend(AttentionBackend):
         if split:
             return cls._split_rows(common, base)
         return CpuPagedMetadata(**base, decode_reqs=_runs(decode),
-                                prefill_reqs=torch.tensor(prefill, dtype=torch.int64))
+                                prefill_reqs=torch.tensor(prefill, dtype=torch.int64),
+                                prefill_keep=_keep(common, prefill))
 
     @staticmethod
     def _split_rows(common: AttentionMetadata, base: dict) -> CpuPagedMetadata:
         """One entry per decode token (short rows split, each with its causal length
         and its request's block-table row), one per prefill row."""
         qsl, lens = common.query_start_loc_cpu, common.seq_lens_cpu
-        starts, seq_lens, table_rows, decode, prefill = [], [], [], [], []
+        starts, seq_lens, table_rows, decode, prefill, requests = [], [], [], [], [], []
         for i in range(common.num_reqs):
             q = qsl[i + 1] - qsl[i]
             if q == 1 or (q <= SPLIT_MAX_QUERY and lens[i] >= 2 * q):
@@ -114,6 +127,7 @@ class CpuPagedBackend(AttentionBackend):
                     table_rows.append(i)
             else:
                 prefill.append(len(starts))
+                requests.append(i)
                 starts.append(qsl[i])
                 seq_lens.append(lens[i])
                 table_rows.append(i)
@@ -125,7 +139,8 @@ class CpuPagedBackend(AttentionBackend):
                     query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, max_query_len=1
                     if not prefill else common.max_query_len)
         return CpuPagedMetadata(**base, decode_reqs=_runs(decode),
-                                prefill_reqs=torch.tensor(prefill, dtype=torch.int64))
+                                prefill_reqs=torch.tensor(prefill, dtype=torch.int64),
+                                prefill_keep=_keep(common, requests))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata,

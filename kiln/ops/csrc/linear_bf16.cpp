@@ -35,6 +35,7 @@
 #include <utility>
 
 #include "amx.h"
+#include "kept_rows.h"
 #include "simd.h"
 
 namespace {
@@ -220,9 +221,11 @@ bool dense_rows(const c10::optional<at::Tensor>& dense, int64_t dense_from, int6
 
 #include "linear_bf16_amx.h"
 
-at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
-                         const c10::optional<at::Tensor>& bias,
-                         const c10::optional<at::Tensor>& dense, int64_t dense_from) {
+namespace {
+
+at::Tensor packed_product(const at::Tensor& x, const at::Tensor& wp,
+                          const c10::optional<at::Tensor>& bias,
+                          const c10::optional<at::Tensor>& dense, int64_t dense_from) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 &&
                   x.dim() == 2 && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 32 &&
                   wp.is_contiguous(),
@@ -255,7 +258,20 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
   return y;
 }
 
+}  // namespace
+
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp,
+                         const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& dense, int64_t dense_from,
+                         const c10::optional<at::Tensor>& rows) {
+  return kiln_rows::on_kept_rows(x, rows, wp.size(0) * 16, [&](const at::Tensor& xs) {
+    return packed_product(xs, wp, bias, dense, dense_from);
+  });
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x);  // pointwise.cpp
+
+namespace {
 
 // silu_and_mul(linear_packed(x, wp)) for SwiGLU's gate_up projection (w = [gate | up], no
 // bias), the same bits. The activation runs in the GEMM's epilogue: on tiles
@@ -264,8 +280,8 @@ at::Tensor silu_and_mul(const at::Tensor& x);  // pointwise.cpp
 // (Tile::kSilu; Zen 4, avx512_bf16, 2,000 x 576 -> 3,072: 16.2 -> 15.8 ms). Elsewhere
 // (the tall and AVX2 tiles, whose registers hold one block a row, the AVX2 panel,
 // oneDNN's rows) the two steps run one after the other.
-at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& wp,
-                              const c10::optional<at::Tensor>& dense, int64_t dense_from) {
+at::Tensor packed_silu(const at::Tensor& x, const at::Tensor& wp,
+                       const c10::optional<at::Tensor>& dense, int64_t dense_from) {
   TORCH_CHECK(wp.dim() == 4 && wp.size(0) % 2 == 0,
               "linear_packed_silu: a packed [gate | up] weight of an even block count");
   const int64_t M = x.size(0), K = wp.size(1) * 32, N = wp.size(0) * 16;
@@ -294,7 +310,17 @@ at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& wp,
       return y;
     }
   }
-  return silu_and_mul(linear_packed(x, wp, c10::nullopt, dense, dense_from));
+  return silu_and_mul(packed_product(x, wp, c10::nullopt, dense, dense_from));
+}
+
+}  // namespace
+
+at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& wp,
+                              const c10::optional<at::Tensor>& dense, int64_t dense_from,
+                              const c10::optional<at::Tensor>& rows) {
+  return kiln_rows::on_kept_rows(x, rows, wp.size(0) * 8, [&](const at::Tensor& xs) {
+    return packed_silu(xs, wp, dense, dense_from);
+  });
 }
 
 void rope_columns_(at::Tensor& y, const at::Tensor& positions, const at::Tensor& cos,
@@ -339,7 +365,7 @@ at::Tensor linear_packed_rope(const at::Tensor& x, const at::Tensor& wp,
     return y;
   }
 #endif
-  auto y = linear_packed(x, wp, bias, dense, dense_from);
+  auto y = packed_product(x, wp, bias, dense, dense_from);
   rope_columns_(y, positions, cos, sin, rope_cols);
   return y;
 }

@@ -1,6 +1,7 @@
 // kiln_cpu::linear_quant: the fp32 kernels (every ISA class) and the op. The formats and
 // the two paths are described in linear_quant.h; the native-bf16 kernels live in
 // linear_quant_bf16.cpp.
+#include "kept_rows.h"
 #include "linear_quant.h"
 
 #include <torch/library.h>
@@ -252,12 +253,10 @@ QArgs weight_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
                x.size(0), codes.size(1) * 32, codes.size(0) * 16};
 }
 
-}  // namespace
-
-at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins,
-                        const c10::optional<at::Tensor>& bias, int64_t fmt,
-                        int64_t panel_from) {
+at::Tensor quant_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& mins,
+                         const c10::optional<at::Tensor>& bias, int64_t fmt,
+                         int64_t panel_from) {
   check_args(x, codes, scales, mins, fmt);
   const int64_t N = codes.size(0) * 16, K = codes.size(1) * 32, M = x.size(0);
   auto y = at::empty({M, N}, x.options());
@@ -282,7 +281,8 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   } else {
     xwide.reset(new float[M * K]);  // K % 32 == 0: whole V16s
     const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-    for (int64_t i = 0; i < M * K; i += 16) kiln_isa::storeu(xwide.get() + i, kiln_isa::load_bf16(xb + i));
+    for (int64_t i = 0; i < M * K; i += 16)
+      kiln_isa::storeu(xwide.get() + i, kiln_isa::load_bf16(xb + i));
     xf = xwide.get();
   }
   if (fmt == kQ4) {
@@ -301,15 +301,27 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   return y;
 }
 
+}  // namespace
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins,
+                        const c10::optional<at::Tensor>& bias, int64_t fmt, int64_t panel_from,
+                        const c10::optional<at::Tensor>& rows) {
+  return kiln_rows::on_kept_rows(x, rows, codes.size(0) * 16, [&](const at::Tensor& xs) {
+    return quant_product(xs, codes, scales, mins, bias, fmt, panel_from);
+  });
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x);  // pointwise.cpp
+
+namespace {
 
 // silu_and_mul(linear_quant(x, ...)) for SwiGLU's [gate | up] projection (no bias), the
 // same bits: at panel row counts on AVX512-BF16 hosts the activation runs in the native-bf16
 // panel's epilogue (linear_quant_bf16.cpp: not writing and reading back the [M, N] product),
 // elsewhere the two steps run one after the other.
-at::Tensor linear_quant_silu(const at::Tensor& x, const at::Tensor& codes,
-                             const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                             int64_t fmt, int64_t panel_from) {
+at::Tensor quant_silu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& mins, int64_t fmt, int64_t panel_from) {
   check_args(x, codes, scales, mins, fmt);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_quant_silu: bf16 x");
   const int64_t M = x.size(0), N = codes.size(0) * 16;
@@ -320,7 +332,18 @@ at::Tensor linear_quant_silu(const at::Tensor& x, const at::Tensor& codes,
     const QArgs a = weight_args(xc, codes, scales, mins, at::Tensor(), y, fmt);
     if (bf16_panel_silu(a, reinterpret_cast<const uint16_t*>(xc.data_ptr()), fmt)) return y;
   }
-  return silu_and_mul(linear_quant(x, codes, scales, mins, c10::nullopt, fmt, panel_from));
+  return silu_and_mul(quant_product(x, codes, scales, mins, c10::nullopt, fmt, panel_from));
+}
+
+}  // namespace
+
+at::Tensor linear_quant_silu(const at::Tensor& x, const at::Tensor& codes,
+                             const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                             int64_t fmt, int64_t panel_from,
+                             const c10::optional<at::Tensor>& rows) {
+  return kiln_rows::on_kept_rows(x, rows, codes.size(0) * 8, [&](const at::Tensor& xs) {
+    return quant_silu(xs, codes, scales, mins, fmt, panel_from);
+  });
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {

@@ -179,6 +179,10 @@ struct Batch {
   std::vector<at::Tensor> slot_mappings, block_tables;  // per group
   at::Tensor seq_lens, query_start_loc, decode_reqs, prefill_reqs;
   int64_t num_tokens = 0;
+  // Layer keep_layer computes only the last prefill_keep[i] query rows of prefill entry i
+  // and zeroes the others' output (kiln.runner.kept_rows: no one reads them); -1: none.
+  int64_t keep_layer = -1;
+  at::Tensor prefill_keep;
 };
 
 thread_local Batch batch;
@@ -232,11 +236,20 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 // are gathered, and the mask also hides keys more than window - 1 before each query. With
 // a softcap the scores are computed explicitly (SDPA has none), as transformers' eager
 // attention does: scale, cap, mask, float32 softmax, then V.
+//
+// keep >= 0: only the last `keep` query rows are computed (they see what they would see
+// among all of them); the others' output is zeroed.
 void prefill(const at::Tensor& q, at::Tensor& out, const at::Tensor& key_cache,
              const at::Tensor& value_cache, const at::Tensor& block_table, int64_t r,
-             double scale, int64_t window, double softcap) {
+             double scale, int64_t window, double softcap, int64_t keep) {
   const auto* qsl = batch.query_start_loc.data_ptr<int32_t>();
-  const int64_t start = qsl[r], q_len = qsl[r + 1] - qsl[r];
+  int64_t start = qsl[r], q_len = qsl[r + 1] - qsl[r];
+  if (keep >= 0 && keep < q_len) {
+    out.narrow(0, start, q_len - keep).zero_();
+    start += q_len - keep;
+    q_len = keep;
+    if (q_len == 0) return;
+  }
   const int64_t len = batch.seq_lens.data_ptr<int32_t>()[r];
   const int64_t block_size = key_cache.size(1), group = q.size(1) / key_cache.size(2);
   const int64_t first_block =
@@ -301,7 +314,7 @@ void set_batch(std::vector<at::Tensor> kv_caches, std::vector<double> scales,
                std::vector<int64_t> groups, std::vector<at::Tensor> slot_mappings,
                std::vector<at::Tensor> block_tables, at::Tensor seq_lens,
                at::Tensor query_start_loc, at::Tensor decode_reqs, at::Tensor prefill_reqs,
-               int64_t num_tokens) {
+               int64_t num_tokens, int64_t keep_layer, at::Tensor prefill_keep) {
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt &&
                   decode_reqs.scalar_type() == at::kLong &&
@@ -311,6 +324,9 @@ void set_batch(std::vector<at::Tensor> kv_caches, std::vector<double> scales,
   TORCH_CHECK(scales.size() == layers && windows.size() == layers &&
                   softcaps.size() == layers && groups.size() == layers,
               "set_batch: one scale, window, softcap and group per layer");
+  TORCH_CHECK(keep_layer < 0 || (prefill_keep.scalar_type() == at::kLong &&
+                                  prefill_keep.numel() == prefill_reqs.numel()),
+              "set_batch: one int64 kept-row count per prefill entry");
   TORCH_CHECK(slot_mappings.size() == block_tables.size() && !block_tables.empty(),
               "set_batch: one slot mapping and block table per group");
   for (auto g : groups)
@@ -325,7 +341,7 @@ void set_batch(std::vector<at::Tensor> kv_caches, std::vector<double> scales,
   batch = Batch{true, std::move(kv_caches), std::move(scales), std::move(windows),
                 std::move(softcaps), std::move(groups), std::move(slot_mappings),
                 std::move(block_tables), seq_lens, query_start_loc, decode_reqs,
-                prefill_reqs, num_tokens};
+                prefill_reqs, num_tokens, keep_layer, prefill_keep.contiguous()};
 }
 
 void clear_batch() { batch = Batch{}; }
@@ -367,8 +383,11 @@ void unified_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     }
   }
   const auto* rows = batch.prefill_reqs.data_ptr<int64_t>();
+  const int64_t* keep =
+      layer == batch.keep_layer ? batch.prefill_keep.data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; i < batch.prefill_reqs.numel(); ++i)
-    prefill(q, out, key_cache, value_cache, block_table, rows[i], scale, window, softcap);
+    prefill(q, out, key_cache, value_cache, block_table, rows[i], scale, window, softcap,
+            keep ? keep[i] : -1);
 }
 
 TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
@@ -376,7 +395,7 @@ TORCH_LIBRARY_FRAGMENT(kiln_cpu, m) {
   m.def("set_batch(Tensor[] kv_caches, float[] scales, int[] windows, float[] softcaps, "
         "int[] groups, Tensor[] slot_mappings, Tensor[] block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor decode_reqs, Tensor prefill_reqs, "
-        "int num_tokens) -> ()", &set_batch);
+        "int num_tokens, int keep_layer, Tensor prefill_keep) -> ()", &set_batch);
   m.def("clear_batch() -> ()", &clear_batch);
   m.def("set_prefill_kernel(bool enabled) -> ()", &set_prefill_kernel);
 }
