@@ -338,7 +338,7 @@ at::Tensor linear_packed_rope(const at::Tensor& x, const at::Tensor& wp,
                               const at::Tensor& positions, const at::Tensor& cos,
                               const at::Tensor& sin, int64_t rope_cols,
                               const c10::optional<at::Tensor>& dense, int64_t dense_from) {
-  const int64_t M = x.size(0), K = wp.size(1) * 32, N = wp.size(0) * 16, D = cos.size(1);
+  const int64_t M = x.size(0), N = wp.size(0) * 16, D = cos.size(1);
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
                   sin.sizes() == cos.sizes() && D % 32 == 0 && rope_cols % D == 0 &&
@@ -346,6 +346,7 @@ at::Tensor linear_packed_rope(const at::Tensor& x, const at::Tensor& wp,
               "linear_packed_rope: float32 cos / sin caches [P, D], D % 32 == 0, rope_cols "
               "whole heads of the output, one position per row");
 #ifdef __AMX_TILE__
+  const int64_t K = wp.size(1) * 32;
   if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows &&
       !dense_rows(dense, dense_from, M) && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
       x.size(1) == K && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous()) {
