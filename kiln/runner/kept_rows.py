@@ -19,8 +19,9 @@ it do not run (fp32, CUDA): they compute every row, which is always correct.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -69,6 +70,7 @@ class KeptRows:
 
     def __init__(self, model: nn.Module, max_tokens: int, device: torch.device) -> None:
         self.buffer = torch.full((1 + max_tokens,), -1, dtype=torch.int64)
+        self.keep_layer = -1  # the last attention layer, counted as the runner's caches
         per_layer = getattr(model, "linears_after_attention", None)
         stage = getattr(model, "stage", None)
         layers = per_layer() if per_layer is not None and device.type == "cpu" else []
@@ -81,16 +83,20 @@ class KeptRows:
                 linear.kept_rows = self.buffer if i == len(layers) - 1 else every
         self.keep_layer = len(model.attention_layers()) - 1
 
-    def plan(self, states: Sequence[CachedRequestState], step: StepRows) -> list[int] | None:
-        """`step.keep` when the last layer may compute only those rows (the buffer then
-        names them; `reset` after the forward), else None: every row."""
-        n, total = len(step.logits_indices), sum(len(row.token_ids) for row in step.rows)
-        if (not self.enabled or n >= total
+    @contextmanager
+    def reading(self, states: Sequence[CachedRequestState], step: StepRows,
+                num_tokens: int) -> Iterator[list[int] | None]:
+        """Around the step's forward: yields `step.keep` when the last layer may compute
+        only those rows (the buffer names them until the forward ends), else None: every
+        row."""
+        n = len(step.logits_indices)
+        if (not self.enabled or n >= num_tokens
                 or any(s.sampling_params.prompt_logprobs is not None for s in states)):
-            return None
+            yield None
+            return
         self.buffer[0] = n
         self.buffer[1: n + 1] = torch.as_tensor(step.logits_indices, dtype=torch.int64)
-        return step.keep
-
-    def reset(self) -> None:
-        self.buffer[0] = -1
+        try:
+            yield step.keep
+        finally:
+            self.buffer[0] = -1

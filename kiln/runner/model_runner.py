@@ -256,12 +256,10 @@ class ModelRunner:
                 meta.drop_saves(adapter_blocks(map(self.requests.get, req_ids),
                                                self.lora.failed))
             self.kv_connector.start_load_kv(meta, self._kv_buffer)
-        keep = self.kept_rows.plan([self.requests[rid] for rid in req_ids], step)
-        try:
+        step_states = [self.requests[rid] for rid in req_ids]
+        with self.kept_rows.reading(step_states, step, so.total_num_scheduled_tokens) as keep:
             hidden = self.forward_rows(rows, self._spec_k + 1 if so.scheduled_spec_decode_tokens
                                        else 1, keep)
-        finally:
-            self.kept_rows.reset()
         if self.pipeline is not None and not self.pipeline.stage.last:
             return ModelRunnerOutput(req_ids, [])  # the last stage samples and answers
         out = ModelRunnerOutput(req_ids, [], failed_loras=self.lora.failed if self.lora else {})
@@ -277,7 +275,7 @@ class ModelRunner:
             sampled = sample_step(self, hidden[indices], states, out, so)
         out.sampled_token_ids = [sampled.get(rid, []) for rid in req_ids]
         out.prompt_logprobs = compute_prompt_logprobs(
-            self.model.compute_logits, hidden, [self.requests[rid] for rid in req_ids],
+            self.model.compute_logits, hidden, step_states,
             so.num_scheduled_tokens, self.query_start_loc.np)
         if self.drafter is not None:  # drafts for the next step, from the tokens just taken
             out.spec_token_ids = self.drafter.propose(rows, states)
@@ -365,8 +363,6 @@ class ModelRunner:
         lens = self.seq_lens.copy_to_device(num_reqs)
         qsl_cpu = self.query_start_loc.np[: num_reqs + 1].tolist()
         lens_cpu = seq_lens[:num_reqs].tolist()
-        if query_keep is not None:  # a FULL graph's padding requests keep nothing
-            query_keep = query_keep + [0] * (num_reqs - len(query_keep))
         out = []
         for group, table, slots in zip(self.kv_groups, self.block_tables, self.slot_mappings):
             common = AttentionMetadata(
@@ -379,6 +375,6 @@ class ModelRunner:
                 block_size=self.limits.block_size,
                 sliding_window=getattr(group.spec, "sliding_window", None),
                 query_keep=query_keep,
-                keep_layer=-1 if query_keep is None else self.kept_rows.keep_layer)
+                keep_layer=self.kept_rows.keep_layer)
             out.append(self.attn_backend_cls.build_metadata(common))
         return out

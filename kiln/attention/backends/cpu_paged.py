@@ -63,12 +63,16 @@ def _runs(runs: list[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor(runs, dtype=torch.int64).view(-1, 2)
 
 
+_EVERY_ROW = torch.empty(0, dtype=torch.int64)  # no kept-row counts: decode steps, mostly
+
+
 def _keep(common: AttentionMetadata, requests: list[int]) -> torch.Tensor:
     """Each prefill entry's kept query rows (the request's `query_keep`); empty when the
     step keeps every row."""
     keep = common.query_keep
-    return torch.tensor([] if keep is None else [keep[i] for i in requests],
-                        dtype=torch.int64)
+    if keep is None or not requests:
+        return _EVERY_ROW
+    return torch.tensor([keep[i] for i in requests], dtype=torch.int64)
 
 
 class CpuPagedBackend(AttentionBackend):
