@@ -51,6 +51,7 @@ SOURCES = [CSRC / name for name in ("linear_bf16.cpp", "linear_quant.cpp",
                                       "pointwise.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "linear_quant.h", "kept_rows.h", "attention_decode.h",
+                                      "attention_decode_tiles.h",
                                       "attention_prefill.h", "attention_prefill_amx.h",
                                       "attention_softmax.h", "attention_pack.h",
                                       "amx.h", "linear_bf16_amx.h",
