@@ -2,12 +2,15 @@
 model's linear shapes, with PyTorch's fp32 and bf16 (oneDNN) GEMMs beside them:
 
     python benchmarks/linear_ab.py OLD_CSRC [NEW_CSRC] [--rows 1 8 32 128 512]
+        [--layers qkv_proj o_proj gate_up_proj down_proj lm_head]
 
 OLD_CSRC / NEW_CSRC are kiln/ops/csrc directories (e.g. from `git worktree add /tmp/old
 HEAD~1`; NEW defaults to this checkout's). Each build is compiled for this host's ISA
 class under its own operator namespace (kiln_ab0, kiln_ab1), so both load at once and
 their samples alternate: on a noisy machine an A/B in one process is the fair one. Every
-output is checked against an fp32 reference before it is timed.
+output is checked against an fp32 reference before it is timed. `--layers` keeps only the
+named layer kinds: at prefill row counts the lm_head (a prefill samples one row of it) and
+its fp32 reference take most of the run.
 """
 from __future__ import annotations
 
@@ -79,17 +82,22 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 24, 32, 64, 128, 512])
     ap.add_argument("--samples", type=int, default=7)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--layers", nargs="+", default=None, help="layer kinds (default: all)")
     args = ap.parse_args()
     if cpu_kernels.host_supports() is not None:
         raise SystemExit(f"kiln's kernels cannot run here: {cpu_kernels.host_supports()}")
+    kinds = layer_shapes(model_shapes(args.model, "bfloat16", "cpu", [1], [1], 1))
+    if unknown := set(args.layers or ()) - set(kinds):
+        raise SystemExit(f"--layers: unknown {sorted(unknown)}; the kinds are {list(kinds)}")
     builds = [build(args.old, "kiln_ab0"), build(args.new, "kiln_ab1")]
     g = torch.Generator().manual_seed(0)
     print(f"ISA class {cpu_kernels.isa_class()}, {torch.get_num_threads()} threads, "
           f"min of {args.samples} interleaved samples")
     print(f"{'layer':<14} {'rows':>5} {'old ms':>9} {'new ms':>9} {'fp32 ms':>9} "
           f"{'bf16 ms':>9} {'new/old':>8} {'new/fp32':>8} {'new/bf16':>8}")
-    shapes = model_shapes(args.model, "bfloat16", "cpu", [1], [1], 1)
-    for kind, (n, k) in layer_shapes(shapes).items():
+    for kind, (n, k) in kinds.items():
+        if args.layers and kind not in args.layers:
+            continue
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         wp, wf = pack(w), w.float()
         for rows in args.rows:
