@@ -10,9 +10,9 @@ over each peer. With `--b1-input-len N --new-tokens 2` that is a prefill of N to
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 
 
 def first_token_times(path: str) -> dict[str, list[float]]:
@@ -29,7 +29,9 @@ def first_token_times(path: str) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    for path in sys.argv[1:]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", nargs="+", help="run.py --json files")
+    for path in ap.parse_args().json:
         times = {k: v for k, v in first_token_times(path).items() if v}
         kiln = next((min(v) for k, v in times.items() if k.startswith("kiln")), None)
         print(path)
