@@ -86,7 +86,10 @@ class LLMEngine:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         in_process = runs_in_process(config.distributed_executor_backend, tp, pp)
         if config.device == "cpu" and in_process and config.compilation.mode:
-            probe_in_background()  # mp workers probe their own
+            # Imports Inductor (about 1 s, which loading or compiling needs later anyway)
+            # to find the probe's recorded answer: shown, so that the phases add up.
+            with phases("compiler import"):
+                probe_in_background()  # mp workers probe their own
         with phases("model files"):  # a GGUF file's one-time conversion lands here
             path = resolve_model(config.model, progress=progress)
         if config.device == "cpu" and in_process and config.tensor_parallel_size == 1:
