@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from typing import Any, Callable
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -83,7 +83,7 @@ def main() -> None:
     next(iter(variants.values()))()  # the engine's own setting again
 
 
-def _variants(llm, args) -> dict[str, Callable[[], None]]:
+def _variants(llm: Any, args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     """Name -> what switches the engine to it; the first is the engine's default. With
     two, their repeats alternate, so both see the same minutes of a noisy host."""
     import torch
