@@ -9,6 +9,9 @@
 #
 #     benchmarks/prefill_report.sh [OUT_DIR]          # LENGTHS="512 2000" to shorten it
 #
+# ROUNDS (default 3) sets the decode rounds: one round of batch-1 decode is noisy on these
+# VMs (bf16 on a 2-vCPU Zen 4: 82-104 tok/s from run to run), so read the rounds together.
+#
 # About 25 minutes on a 2-core host (vLLM's 8,000-token prefill is most of it), twice that
 # on AMX. Everything printed is also kept in OUT_DIR (default: prefill-report-<date>/).
 set -euo pipefail
