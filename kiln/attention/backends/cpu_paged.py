@@ -30,6 +30,7 @@ from kiln.ops import cpu_kernels
 
 # Rows of up to this many tokens, after a context at least as long, run as decode rows.
 SPLIT_MAX_QUERY = 16
+_EVERY_ROW = torch.empty(0, dtype=torch.int64)  # no kept-row counts: decode steps, mostly
 
 
 @dataclass(slots=True)
@@ -41,7 +42,7 @@ class CpuPagedMetadata(AttentionMetadata):
     prefill_reqs: torch.Tensor | None = None  # [P] int64, the others
     # [P] int64: the trailing query rows of each prefill entry layer `keep_layer` computes
     # (query_keep); the C++ op zeroes the others' output there. Empty: every row.
-    prefill_keep: torch.Tensor | None = None
+    prefill_keep: torch.Tensor = _EVERY_ROW
 
     def activate(self, groups: Sequence[AttentionMetadata], kv_caches: Sequence[torch.Tensor],
                  layer_groups: Sequence[int], specs: Sequence[AttentionLayerSpec]) -> None:
@@ -61,9 +62,6 @@ class CpuPagedMetadata(AttentionMetadata):
 
 def _runs(runs: list[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor(runs, dtype=torch.int64).view(-1, 2)
-
-
-_EVERY_ROW = torch.empty(0, dtype=torch.int64)  # no kept-row counts: decode steps, mostly
 
 
 def _keep(common: AttentionMetadata, requests: list[int]) -> torch.Tensor:
