@@ -77,3 +77,23 @@ def test_over_allocation_raises_and_changes_nothing():
         pool.get_new_blocks(3)
     assert pool.get_num_free_blocks() == 2
     assert pool.usage == 0.0
+
+
+def test_blocks_never_handed_out_are_created_on_first_use_in_id_order():
+    """A pool starts with only its null block as an object; the rest are created as they
+    are handed out, between the freed unhashed blocks (head) and the cached ones (tail)."""
+    pool = BlockPool(1 << 20)
+    assert sum(b is not None for b in pool._blocks) == 1  # the null block
+    a, b, c = pool.get_new_blocks(3)
+    assert [a.block_id, b.block_id, c.block_id] == [1, 2, 3]
+    pool.cache_block(c, b"c")
+    pool.free_blocks([a, c])  # a (unhashed) to the head, c (cached) to the tail
+    assert pool.get_num_free_blocks() == (1 << 20) - 2
+    assert [x.block_id for x in pool.get_new_blocks(3)] == [1, 4, 5]
+    small = BlockPool(6)
+    x, y = small.get_new_blocks(2)
+    small.cache_block(y, b"y")
+    small.free_blocks([x, y])
+    assert [blk.block_id for blk in small.free_queue] == [1, 3, 4, 5, 2]
+    listed = small.blocks  # creates the untouched ones now
+    assert small.get_new_blocks(2)[1] is listed[3]  # one object per id
