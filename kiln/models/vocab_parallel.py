@@ -38,6 +38,11 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(rows_per_rank(vocab_size), hidden)
         self.vocab_size = vocab_size
 
+    def reset_parameters(self) -> None:
+        """No random init: every weight comes from the checkpoint (`load_weights` refuses
+        one that lacks any), and the model is built on the meta device, where `normal_`
+        runs a Python reference that imports Dynamo: about 1 s of an -O0 start."""
+
     def weight_loader(self, param: nn.Parameter, weight: CheckpointTensor,
                       shard: str | None) -> None:
         _load_rows(param, weight, self.vocab_size)
