@@ -40,6 +40,8 @@ def add_bench_parser(sub: Any) -> None:
     tp.add_argument("--output-len", type=int, default=128)
     tp.add_argument("--random-range-ratio", type=float, default=0.0,
                     help="draw lengths uniformly in len*(1-r)..len*(1+r)")
+    tp.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (0: greedy; vLLM's benchmark uses 1.0)")
     srv = modes.add_parser("serve", help="load a running OpenAI-compatible server on this "
                                          "machine (kiln serve)")
     srv.add_argument("--url", default="http://127.0.0.1:8000",
@@ -194,7 +196,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                            run_throughput)
 
         result = run_throughput(make_llm(args), args.num_prompts, args.input_len,
-                                args.output_len, args.random_range_ratio, args.seed)
+                                args.output_len, args.random_range_ratio, args.seed,
+                                temperature=args.temperature)
     elif mode == "serve":
         from kiln.bench.serve import format_serve as fmt, plot_serve as plot, run_serve
 

@@ -27,8 +27,11 @@ from kiln.bench.workload import check_positive, lengths, random_prompts
 
 def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int,
                    random_range_ratio: float = 0.0, seed: int = 0,
-                   lora_requests: list[Any] | None = None) -> dict[str, Any]:
-    """`lora_requests`: adapters given to the requests in turn (None: the base model)."""
+                   lora_requests: list[Any] | None = None,
+                   temperature: float = 0.0) -> dict[str, Any]:
+    """`lora_requests`: adapters given to the requests in turn (None: the base model).
+    `temperature` > 0 samples every token (vLLM's throughput benchmark samples at 1.0):
+    the sampler then draws noise over the whole vocabulary for each row of each step."""
     from kiln.sampling.params import SamplingParams
 
     check_positive(num_prompts=num_prompts)
@@ -47,7 +50,8 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int,
     loras = lora_requests or [None]
     for i, (rid, p, n) in enumerate(zip(ids, prompts, out_lens)):
         engine.add_request(rid, {"prompt_token_ids": p},
-                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                           SamplingParams(temperature=temperature, max_tokens=n,
+                                          ignore_eos=True),
                            lora_request=loras[i % len(loras)])
     first: dict[str, float] = {}
     done: dict[str, float] = {}
@@ -69,7 +73,7 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int,
         "mode": "throughput", **environment(engine.config.device),
         "config": {"num_prompts": num_prompts, "input_len": input_len,
                    "output_len": output_len, "random_range_ratio": random_range_ratio,
-                   "seed": seed, **engine_facts(engine)},
+                   "seed": seed, "temperature": temperature, **engine_facts(engine)},
         "load_time_s": engine.load_time_s, "elapsed_s": elapsed,
         "num_requests": len(done), "total_input_tokens": total_in,
         "total_output_tokens": generated, "requests_per_s": len(done) / elapsed,
@@ -82,7 +86,8 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int,
 def format_throughput(r: dict[str, Any]) -> str:
     c = r["config"]
     head = (f"throughput: {c['num_prompts']} requests, input {c['input_len']}, output "
-            f"{c['output_len']} tokens (range ratio {c['random_range_ratio']}), -O"
+            f"{c['output_len']} tokens (range ratio {c['random_range_ratio']}, temperature "
+            f"{c.get('temperature', 0.0)}), -O"
             f"{c['optimization_level']} {c['dtype']} ({r['device']})")
     body = table(SUMMARY_HEADERS, summary_rows({"time to first token (s)": r["ttft_s"],
                                                 "request latency (s)": r["latency_s"]}),
