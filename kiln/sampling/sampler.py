@@ -6,8 +6,9 @@ The order is vLLM v1's, and order is semantics:
   so they come before greedy) -> penalties -> greedy result -> temperature -> min_p ->
   top-k/top-p -> sample -> greedy rows keep the greedy token.
 Penalties come before temperature so a penalty means the same at every temperature.
-Random rows use the exponential race (argmax of p / Exp(1)); each seeded row draws its
-noise from its own generator, so its tokens do not depend on what else is in the batch.
+Random rows draw by inverse transform (one uniform per row against the running sum of p);
+each seeded row draws its uniform from its own generator, so its tokens do not depend on
+what else is in the batch.
 The sampler is stateless: everything per step is in `SamplingMetadata`.
 """
 from __future__ import annotations
@@ -58,9 +59,8 @@ class Sampler:
         probs = None
         if not md.all_greedy:
             probs = self.final_probs(logits, md)
-            noise = _exponential_noise(probs, md.generators)
             is_greedy = md.temperature < _GREEDY_EPS
-            sampled = torch.where(is_greedy, sampled, (probs / noise).argmax(dim=-1))
+            sampled = torch.where(is_greedy, sampled, _draw(probs, md.generators))
         lp = None
         if raw_logprobs is not None:
             lp = gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
@@ -141,13 +141,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return out.scatter_(-1, order, masked)
 
 
-def _exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exp(1) noise for the exponential race (argmax of probs / noise draws from probs),
-    as -log(U): torch's CPU `exponential_` draws element by element, 30.7 ms for 32 rows
-    of a 49,152-token vocabulary against 6.1 ms (one thread, Zen 4), about as long as a
-    whole 32-request decode step. U = 0 (probability 2^-24) is infinite noise: that
-    token is not drawn this step."""
-    q = torch.rand_like(probs)
+def _draw(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs`: the first whose running sum exceeds U x the row's total.
+    One uniform per row instead of noise over the vocabulary (the exponential race): 0.84
+    against 10.4 ms for 32 rows of a 49,152-token vocabulary (Zen 4, two threads). The sum
+    is float64: float32 drifts by up to ~1e-3 over that many terms, more than a rare
+    token's probability. A token of probability 0 spans an empty interval and is never
+    drawn (the clamp only catches U x total rounding up to the total, about 2^-53)."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
     for row, gen in generators.items():
-        q[row].uniform_(generator=gen)
-    return q.log_().neg_()
+        u[row] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=gen)
+    drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    return drawn.clamp_(max=probs.shape[1] - 1)
