@@ -68,7 +68,8 @@ def test_latency(tiny, tmp_path, capsys):
 
 def test_throughput(tiny, tmp_path):
     r = bench(tmp_path, "throughput", "--model", tiny, "-O0", "--num-prompts", "5", "--input-len",
-              "8", "--output-len", "4", "--random-range-ratio", "0.5")
+              "8", "--output-len", "4", "--random-range-ratio", "0.5", "--temperature", "1.0")
+    assert r["config"]["temperature"] == 1.0  # every token sampled; EOS still ignored
     assert r["num_requests"] == 5 and r["total_output_tokens"] >= 5
     assert r["total_input_tokens"] >= 5 * 4  # lengths drawn in 4..12
     assert math.isclose(r["requests_per_s"], 5 / r["elapsed_s"])
