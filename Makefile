@@ -54,7 +54,7 @@ run: $(STAMP)
 # First the house's contracts (docs/architecture.md): the import-linter layers in
 # pyproject.toml, and no import circle among kiln's modules (lazy imports counted).
 # kiln's modules are byte-compiled up front: where PYTHONDONTWRITEBYTECODE is set (these
-# machines set it), each of the ~150 processes the suite starts compiled them from source
+# machines set it), each of the 100-odd processes the suite starts compiled them from source
 # again, about 0.25 s each.
 test: export KILN_HUGE_PAGES := 0
 test: export KILN_KV_PREFAULT := first
