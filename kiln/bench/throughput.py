@@ -30,8 +30,8 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int,
                    lora_requests: list[Any] | None = None,
                    temperature: float = 0.0) -> dict[str, Any]:
     """`lora_requests`: adapters given to the requests in turn (None: the base model).
-    `temperature` > 0 samples every token (vLLM's throughput benchmark samples at 1.0):
-    the sampler then draws noise over the whole vocabulary for each row of each step."""
+    `temperature` > 0 samples every token (vLLM's throughput benchmark samples at 1.0),
+    which times the sampler's draw as well."""
     from kiln.sampling.params import SamplingParams
 
     check_positive(num_prompts=num_prompts)
@@ -87,7 +87,7 @@ def format_throughput(r: dict[str, Any]) -> str:
     c = r["config"]
     head = (f"throughput: {c['num_prompts']} requests, input {c['input_len']}, output "
             f"{c['output_len']} tokens (range ratio {c['random_range_ratio']}, temperature "
-            f"{c.get('temperature', 0.0)}), -O"
+            f"{c['temperature']}), -O"
             f"{c['optimization_level']} {c['dtype']} ({r['device']})")
     body = table(SUMMARY_HEADERS, summary_rows({"time to first token (s)": r["ttft_s"],
                                                 "request latency (s)": r["latency_s"]}),
