@@ -11,6 +11,7 @@ tests and launchers change them between engines.
 | KILN_CACHE_DIR | the compile cache (also where the CPU kernels' build is kept) | $KILN_HOME/compile_cache |
 | KILN_TUNING_FILE | the kernel tuning table `kiln bench kernels` writes | $KILN_HOME/tuning.json |
 | KILN_CPU_ISA | caps the CPU's ISA class (amx, avx512_bf16, avx512, avx2, none): one host runs another class's kernels | the host's |
+| KILN_AMX_EMULATE | 1 builds kiln's CPU kernels with AMX tiles emulated in software (csrc/amx_emulated.h) on an AVX512-BF16 host: the AMX paths' logic runs where the CPU has no tiles; for tests, far slower than the hardware | 0 |
 | KILN_CPU_KERNELS | 0 turns kiln's C++ CPU kernels off (F.linear and SDPA run) | 1 |
 | KILN_CPU_PREFILL | the `cpu` attention backend's bf16 prefill rows: `kernel` (kiln's tiled kernel), `sdpa` (SDPA over gathered blocks) or `auto` (the faster on this host by the tuning table, `kiln bench kernels --ops attention`; the kernel without entries) | auto |
 | KILN_DIST_TIMEOUT_S | bound on one collective or control message while serving | 600 |
@@ -73,6 +74,14 @@ def _cpu_prefill() -> str:
     return value
 
 
+def _amx_emulate() -> bool:
+    value = os.environ.get("KILN_AMX_EMULATE", "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"KILN_AMX_EMULATE={value!r}: use 1 (AMX tiles emulated in "
+                         "software, for tests) or 0 (the default)")
+    return value == "1"
+
+
 def _kv_prefault() -> str:
     value = os.environ.get("KILN_KV_PREFAULT", "").strip().lower()
     if value not in ("", "all", "first"):
@@ -87,6 +96,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "KILN_CACHE_DIR": lambda: _path("KILN_CACHE_DIR"),
     "KILN_TUNING_FILE": lambda: _path("KILN_TUNING_FILE"),
     "KILN_CPU_ISA": lambda: os.environ.get("KILN_CPU_ISA", "").strip().lower(),
+    "KILN_AMX_EMULATE": _amx_emulate,
     "KILN_CPU_KERNELS": lambda: os.environ.get("KILN_CPU_KERNELS", "1") != "0",
     "KILN_CPU_PREFILL": _cpu_prefill,
     "KILN_DIST_TIMEOUT_S": _dist_timeout,

@@ -3,7 +3,8 @@
 Every path is exercised on hosts that can build the kernels: the AMX tiles and, with AMX
 switched off for the test, the register-tiled kernel at every row count, in the build for
 this host's ISA class (`vdpbf16ps` with AVX512-BF16, fp32 FMAs with plain AVX512 and with
-AVX2; build another class with KILN_CPU_ISA=avx512 or avx2 on a better host).
+AVX2; build another class with KILN_CPU_ISA=avx512 or avx2 on a better host). Without
+AMX the tile variants run against emulated tiles (tests/test_amx_emulated.py).
 """
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels_loaded")
 
 
 @pytest.fixture(params=["amx", "no-amx"])
-def amx(request):
-    """Run a test with the AMX path, where the CPU has it, and without it."""
+def amx(request, cpu_kernels_loaded):
+    """Run a test with the AMX path, where the loaded kernels have it (an AMX host, or
+    the emulated tiles: tests/test_amx_emulated.py), and without it."""
     on = request.param == "amx"
-    if on and not (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()):
+    if on and not cpu_paths.amx_active():
         pytest.skip("this CPU has no AMX")
     torch.ops.kiln_cpu.set_amx(on, 1)  # tiles at every row count
     yield on
@@ -251,6 +253,7 @@ def test_native_attention_is_a_noop_without_a_batch():
 
 def test_isa_class_caps_by_environment(monkeypatch):
     host = host_isa()
+    monkeypatch.delenv("KILN_AMX_EMULATE", raising=False)
     monkeypatch.setenv("KILN_CPU_ISA", "none")
     assert isa_class() == "none"
     assert "no AVX2" in cpu_kernels.host_supports()
@@ -258,6 +261,35 @@ def test_isa_class_caps_by_environment(monkeypatch):
     assert isa_class() == host
     monkeypatch.setenv("KILN_CPU_ISA", "avx9000")
     with pytest.raises(ValueError, match="KILN_CPU_ISA"):
+        isa_class()
+
+
+def test_emulated_tiles_are_asked_for_by_name_and_only_where_they_can_run(monkeypatch):
+    """KILN_AMX_EMULATE=1 runs the amx class on an AVX512-BF16 host (its own build and
+    tuning entries: the device name says so); below that class, beside a lower cap or
+    with a bad value it is a ValueError naming the variables."""
+    from kiln.platforms import device_name
+    from kiln.platforms.cpu import amx_emulated
+
+    host = host_isa()
+    monkeypatch.delenv("KILN_CPU_ISA", raising=False)
+    monkeypatch.setenv("KILN_AMX_EMULATE", "0")
+    plain_flags, plain_name = cpu_kernels.cflags(isa_class()), device_name("cpu")
+    monkeypatch.setenv("KILN_AMX_EMULATE", "yes")
+    with pytest.raises(ValueError, match="KILN_AMX_EMULATE='yes'"):
+        isa_class()
+    monkeypatch.setenv("KILN_AMX_EMULATE", "1")
+    if host not in ("amx", "avx512_bf16"):
+        with pytest.raises(ValueError, match="KILN_AMX_EMULATE=1 needs an AVX512-BF16 host"):
+            isa_class()
+        return
+    assert isa_class() == "amx" and amx_emulated()
+    assert "-DKILN_AMX_EMULATE" in cpu_kernels.cflags("amx")
+    assert "-mamx-tile" not in cpu_kernels.cflags("amx")
+    assert cpu_kernels.cflags("amx") != plain_flags
+    assert device_name("cpu").endswith("[amx, emulated]") and device_name("cpu") != plain_name
+    monkeypatch.setenv("KILN_CPU_ISA", "avx512_bf16")
+    with pytest.raises(ValueError, match="KILN_CPU_ISA='avx512_bf16' caps it lower"):
         isa_class()
 
 

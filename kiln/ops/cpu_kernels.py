@@ -39,7 +39,7 @@ from filelock import FileLock
 from kiln import envs
 from kiln.ops import cpu_paths
 from kiln.ops.cpu_fakes import define_ops
-from kiln.platforms.cpu import isa_class
+from kiln.platforms.cpu import amx_emulated, isa_class
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "attention_decode_tiles.h",
                                       "attention_prefill.h", "attention_prefill_amx.h",
                                       "attention_softmax.h", "attention_pack.h",
-                                      "amx.h", "linear_bf16_amx.h",
+                                      "amx.h", "amx_emulated.h", "linear_bf16_amx.h",
                                       "linear_bf16_panel.h")]
 # The instructions each ISA class's build may use (kiln.platforms.cpu names the classes).
 ISA_FLAGS = {
@@ -82,6 +82,8 @@ class BuildFailed(RuntimeError):
 
 
 def cflags(isa: str) -> list[str]:
+    if isa == "amx" and amx_emulated():  # the tiles in software (csrc/amx_emulated.h)
+        return ["-O3", *ISA_FLAGS["avx512_bf16"], "-DKILN_AMX_EMULATE", "-fopenmp"]
     return ["-O3", *ISA_FLAGS[isa], "-fopenmp"]
 
 

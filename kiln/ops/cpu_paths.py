@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kiln import envs
+from kiln.platforms.cpu import amx_emulated
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,12 @@ _paths: dict[str, Any] = {"on": False, "from": 2, "prefill_kernel": True}
 def choose(amx_build: bool) -> None:
     """Set the loaded library's paths for this host (called once it is loaded)."""
     # AMX tiles need the kernel's permission per process; without it (or in a build for
-    # another class) the register-tiled kernel runs at every row count.
-    _paths["on"] = amx_build and bool(torch.cpu._init_amx())
+    # another class) the register-tiled kernel runs at every row count. Emulated tiles
+    # (KILN_AMX_EMULATE, for tests) need none.
+    _paths["on"] = amx_build and (amx_emulated() or bool(torch.cpu._init_amx()))
+    if _paths["on"] and amx_emulated():
+        logger.warning("AMX tiles emulated in software (KILN_AMX_EMULATE=1): the AMX paths "
+                       "run for tests, far slower than on the hardware")
     if _paths["on"]:
         from kiln.ops.linear_plan import load_amx_from
 

@@ -31,15 +31,35 @@ def host_isa() -> str:
 
 
 def isa_class() -> str:
-    """The class kiln's kernels run at: the host's, capped by KILN_CPU_ISA."""
+    """The class kiln's kernels run at: the host's, capped by KILN_CPU_ISA; `amx` with
+    KILN_AMX_EMULATE=1 (`amx_emulated`)."""
     host = host_isa()
     cap = envs.KILN_CPU_ISA
-    if not cap:
-        return host
-    if cap not in ISA_CLASSES:
+    if cap and cap not in ISA_CLASSES:
         raise ValueError(f"KILN_CPU_ISA={cap!r} is not an ISA class; use one of "
                          f"{', '.join(ISA_CLASSES)} (or unset it for this host's, {host!r})")
+    if envs.KILN_AMX_EMULATE:
+        return _emulated_amx(host, cap)
+    if not cap:
+        return host
     return ISA_CLASSES[max(ISA_CLASSES.index(cap), ISA_CLASSES.index(host))]
+
+
+def _emulated_amx(host: str, cap: str) -> str:
+    """The emulated tiles run beside AVX512-BF16 code (the kernels' other paths, the
+    epilogues): a host of that class or better, and no cap below `amx`."""
+    if cap and cap != "amx":
+        raise ValueError(f"KILN_AMX_EMULATE=1 runs the amx class, but KILN_CPU_ISA={cap!r} "
+                         "caps it lower: unset one of them")
+    if ISA_CLASSES.index(host) > ISA_CLASSES.index("avx512_bf16"):
+        raise ValueError(f"KILN_AMX_EMULATE=1 needs an AVX512-BF16 host (this one is "
+                         f"{host!r}): unset KILN_AMX_EMULATE")
+    return "amx"
+
+
+def amx_emulated() -> bool:
+    """Whether kiln's kernels are the build with AMX tiles in software (for tests)."""
+    return isa_class() == "amx" and envs.KILN_AMX_EMULATE
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,8 +90,9 @@ class CpuPlatform(Platform):
     attention_backends = ("cpu", "torch")
 
     def device_name(self, device: str | torch.device | None = None) -> str:
-        """'cpu:<model> [<ISA class>]' (KILN_CPU_ISA names another host's class)."""
-        return f"cpu:{cpu_model()} [{isa_class()}]"
+        """'cpu:<model> [<ISA class>]' (KILN_CPU_ISA names another host's class;
+        emulated tiles say so, and key their own tuning entries)."""
+        return f"cpu:{cpu_model()} [{isa_class()}{', emulated' if amx_emulated() else ''}]"
 
     def fast_bf16(self) -> bool:
         """bfloat16 is faster wherever kiln's kernels run (AMX, AVX512-BF16, plain AVX512

@@ -6,13 +6,23 @@
 // `min_rows` rows on: below that the register-tiled AVX512-BF16 kernel is faster (a
 // 16-row tile computes 16 rows whatever the batch holds, and its loads do not overlap as
 // the register kernel's do). Builds without AMX compile none of this.
+//
+// KILN_AMX is the switch the kernels test: defined in AMX builds (__AMX_TILE__) and in
+// the emulated build for tests (KILN_AMX_EMULATE: amx_emulated.h, tiles in software on
+// an AVX512-BF16 host). Every file that tests it includes this header first.
 #pragma once
-#ifdef __AMX_TILE__
+#if defined(__AMX_TILE__) || defined(KILN_AMX_EMULATE)
+#define KILN_AMX 1
+#endif
+#ifdef KILN_AMX
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
 
 #include "simd.h"
+#ifndef __AMX_TILE__
+#include "amx_emulated.h"
+#endif
 
 namespace kiln_amx {
 

@@ -253,7 +253,7 @@ inline int64_t bind_rows(Scratch& sc, const Prompt& p, int64_t group, int64_t D,
 // S for the chunk's rows x n16 keys, and O += P V: on tiles or in registers.
 inline void chunk_scores(Scratch& sc, bool amx, int64_t rows, const uint16_t* kp, int64_t D,
                          int64_t n16) {
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   if (amx) {
     kiln_prefill_amx::qk(sc.qa.data(), sc.srow.size(), kp, D, n16, sc.s.data(), kSStride);
     return;
@@ -265,7 +265,7 @@ inline void chunk_scores(Scratch& sc, bool amx, int64_t rows, const uint16_t* kp
 
 inline void chunk_values(Scratch& sc, bool amx, int64_t rows, const uint16_t* vp, int64_t D,
                          int64_t n16) {
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   if (amx) {
     kiln_prefill_amx::pv(sc.pb.data(), kPStride, sc.orow.size(), vp, D, n16, sc.o.data());
     return;
@@ -324,7 +324,7 @@ inline void attend_item(const Prompt& p, int64_t group, int64_t D, int64_t h, in
 inline void prefill_bf16(const Prompt& p, const uint16_t* kc, const uint16_t* vc,
                          const int32_t* blocks, int64_t block_size, int64_t kv_heads,
                          int64_t group, int64_t D) {
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   const bool amx = kiln_amx::state().enabled && D % 32 == 0;
 #else
   const bool amx = false;
@@ -356,7 +356,7 @@ inline void prefill_bf16(const Prompt& p, const uint16_t* kc, const uint16_t* vc
   const std::vector<int64_t> bounds = kiln_attn::split_by_cost(cost_upto);
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t b0, int64_t b1) {
     static thread_local Scratch sc;
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
     if (amx) kiln_amx::configure_full();
 #endif
     for (int64_t i = bounds[b0]; i < bounds[b1]; ++i) {
@@ -364,7 +364,7 @@ inline void prefill_bf16(const Prompt& p, const uint16_t* kc, const uint16_t* vc
       attend_item(p, group, D, h, t0, std::min(p.q_len, t0 + tokens), kp + h * per_head,
                   vp + h * per_head, amx, sc);
     }
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
     if (amx) _tile_release();
 #endif
   });

@@ -9,10 +9,10 @@
 // Shapes: rows % 16 == 0 (the item's rows are padded), keys % 32 == 0, D % 32 == 0.
 // The caller configures the tiles (kiln_amx::configure_full) and releases them.
 #pragma once
-#ifdef __AMX_TILE__
 #include <cstdint>
 
 #include "amx.h"
+#ifdef KILN_AMX
 
 namespace kiln_prefill_amx {
 

@@ -241,7 +241,7 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& wp,
   const auto* wptr = reinterpret_cast<const uint16_t*>(wp.data_ptr());
   const c10::BFloat16* bp = b ? b->data_ptr<c10::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows) {
     amx_gemm(xp, wptr, M, K, Pairs{Pairing::kAdjacent, N / 16}, BiasEpilogue{bp, yp, N});
     return y;
@@ -288,7 +288,7 @@ at::Tensor packed_silu(const at::Tensor& x, const at::Tensor& wp,
   const bool fusable = !dense_rows(dense, dense_from, M) && x.scalar_type() == at::kBFloat16 &&
                        x.dim() == 2 && x.size(1) == K && wp.scalar_type() == at::kBFloat16 &&
                        wp.size(2) == 16 && wp.size(3) == 32 && wp.is_contiguous();
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   if (fusable && kiln_amx::state().enabled && M >= kiln_amx::state().min_rows) {
     auto y = at::empty({M, N / 2}, x.options());
     const auto xc = x.contiguous();
@@ -345,7 +345,7 @@ at::Tensor linear_packed_rope(const at::Tensor& x, const at::Tensor& wp,
                   rope_cols <= N && positions.numel() == M,
               "linear_packed_rope: float32 cos / sin caches [P, D], D % 32 == 0, rope_cols "
               "whole heads of the output, one position per row");
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   const int64_t K = wp.size(1) * 32;
   if (kiln_amx::state().enabled && M >= kiln_amx::state().min_rows &&
       !dense_rows(dense, dense_from, M) && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
@@ -375,7 +375,7 @@ at::Tensor linear_packed_rope(const at::Tensor& x, const at::Tensor& wp,
 // the tile state); only then may the AMX paths run, the linear's from `min_rows` rows on
 // (amx.h). Builds without AMX ignore it.
 void set_amx(bool enabled, int64_t min_rows) {
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   kiln_amx::state() = kiln_amx::State{enabled, std::max<int64_t>(1, min_rows)};
 #else
   (void)enabled, (void)min_rows;
@@ -388,7 +388,7 @@ void set_amx(bool enabled, int64_t min_rows) {
 // the register kernel both accumulate pair by pair in fp32, so their results are almost
 // always the same bits and cannot tell the paths apart: tests read this instead.
 int64_t amx_rows() {
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   return kiln_amx::state().enabled ? kiln_amx::state().min_rows : 0;
 #else
   return 0;

@@ -8,7 +8,7 @@
 //   * y = x @ w.T + b with RoPE on q's and k's columns (RopeEpilogue): a tile block holds
 //     the two halves of a head that rotate together, so q and k are never read back.
 #pragma once
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
 
 namespace {
 

@@ -132,7 +132,7 @@ constexpr Bf16TileFn kBf16SiluRow[4] = {
 template <int F>
 constexpr const Bf16TileFn* kBf16SiluTiles[2] = {kBf16SiluRow<F, 1>, kBf16SiluRow<F, 2>};
 
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
 // With AMX the converted blocks, already in the B tiles' layout, run on tiles: up to 32
 // rows against converted blocks j and j + 1 of a thread's column blocks, in
 // kiln_amx::AmxPipeline's order (each block's epilogue runs while the next block's tiles
@@ -234,7 +234,7 @@ void register_panel_gemm(const QArgs& a, const uint16_t* x) {
 
 template <int F>
 void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   if (kiln_amx::state().enabled && a.M >= kiln_amx::state().min_rows) {
     amx_panel_gemm<F, false>(a, x, QuantEpilogue<F>{&a});
     return;
@@ -246,7 +246,7 @@ void bf16_panel_gemm(const QArgs& a, const uint16_t* x) {
 // SiLU in the epilogue, into a.y ([M, N / 2]): on tiles (AMX) or in the register tiles.
 template <int F>
 void panel_silu(const QArgs& a, const uint16_t* x) {
-#ifdef __AMX_TILE__
+#ifdef KILN_AMX
   if (kiln_amx::state().enabled && a.M >= kiln_amx::state().min_rows) {
     const float* scale = F == kInt8 ? a.scale32 : nullptr;
     amx_panel_gemm<F, true>(
