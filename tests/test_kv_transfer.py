@@ -307,7 +307,10 @@ def test_a_consumer_whose_producer_never_comes_computes_the_prompt(tiny):
     decode = _llm(path, kv_transfer_config=_pd("kv_consumer", free_port(),
                                                remote_timeout_s=0.3))
     start = time.monotonic()
-    assert _decode(decode, PROMPTS[:2], GREEDY, remote=True) == refs[:2]
+    # Two prompts without a common prefix: of two that share one, the second to give up
+    # waiting may find the shared blocks computed here by the first and need nothing
+    # remote (seen once: one timeout counted, not two).
+    assert _decode(decode, PROMPTS[::3], GREEDY, remote=True) == refs[::3]
     kt = decode.engine.get_stats().kv_transfer
     assert kt.remote_timeouts == 2 and kt.hit_tokens == 0
     assert time.monotonic() - start < 30
