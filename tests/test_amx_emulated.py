@@ -23,12 +23,16 @@ from kiln.ops.cpu_kernels import CSRC, ISA_FLAGS
 from kiln.platforms.cpu import host_isa
 
 ROOT = Path(__file__).resolve().parent.parent
-# The files whose tests reach a tile path: test_cpu_kernels.py's `amx` variants (its
-# `no-amx` ones, and its tests of the build machinery, run in the suite itself), the
-# prefill attention kernel, the quantized linears from the panel's row count on, the
-# kept rows (ops and a bf16 engine).
+# The tests that reach a tile path, at the kernels' level: test_cpu_kernels.py's `amx`
+# variants (its `no-amx` ones, and its tests of the build machinery, run in the suite
+# itself), the prefill attention kernel, the quantized linears from the panel's row count
+# on, the kept rows. Engines are left out: each would compile its model again for this
+# build's kernels, and every op they run on tiles is here.
 FILES = ["tests/test_cpu_kernels.py", "tests/test_attention.py",
-         "tests/test_quantization.py", "tests/test_kept_rows.py"]
+         "tests/test_quantization.py::test_kernel_matches_dequantize_then_matmul",
+         "tests/test_quantization.py::test_fused_gate_up_activation_is_the_same_bits_as_two_steps",
+         "tests/test_kept_rows.py::test_linears_compute_the_kept_rows_alone_and_zero_the_others",
+         "tests/test_kept_rows.py::test_attention_layer_computes_only_each_requests_kept_query_rows"]
 SELECT = "not no-amx and not build"
 
 
