@@ -12,14 +12,11 @@
 #include <cstring>
 #include <random>
 
+#include "amx_config.h"
 
 namespace {
 
-struct alignas(64) Config {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using Config = kiln_amx::TileConfig;
 
 // C (tile 0, M x N fp32) += A (tile 1, M x 2K bf16) B (tile 2, K x 2N bf16): the tiles are
 // loaded at a row stride wider than a row, so a load must read only colsb bytes a row.

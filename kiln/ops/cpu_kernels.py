@@ -54,7 +54,8 @@ HEADERS = [CSRC / name for name in ("simd.h", "simd_avx512.h", "simd_avx2.h",
                                       "attention_decode_tiles.h",
                                       "attention_prefill.h", "attention_prefill_amx.h",
                                       "attention_softmax.h", "attention_pack.h",
-                                      "amx.h", "amx_emulated.h", "linear_bf16_amx.h",
+                                      "amx.h", "amx_config.h", "amx_emulated.h",
+                                      "linear_bf16_amx.h",
                                       "linear_bf16_panel.h")]
 # The instructions each ISA class's build may use (kiln.platforms.cpu names the classes).
 ISA_FLAGS = {

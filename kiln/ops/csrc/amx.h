@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "amx_config.h"
 #include "simd.h"
 #ifndef __AMX_TILE__
 #include "amx_emulated.h"
@@ -36,13 +37,6 @@ inline State& state() {
   static State s;
   return s;
 }
-
-// A tile configuration: palette 1, tile t with rows[t] rows of colsb[t] bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // All eight tiles at 16 rows x 64 bytes (the attention kernel pads its rows to 16).
 inline void configure_full() {

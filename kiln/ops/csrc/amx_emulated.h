@@ -24,6 +24,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "amx_config.h"
+
 namespace kiln_amx_emu {
 
 struct Tiles {
@@ -52,16 +54,15 @@ inline void check(const char* what, int t) {
 }
 
 inline void loadconfig(const void* config) {
-  // The 64-byte layout: palette, start_row, 14 reserved, colsb[16] (uint16), rows[16].
-  const auto* p = static_cast<const uint8_t*>(config);
+  kiln_amx::TileConfig c;
+  std::memcpy(&c, config, sizeof(c));
   Tiles& s = tiles();
   s = Tiles{};
-  if (p[0] == 0) return;  // palette 0: tiles off, as after a release
-  if (p[0] != 1) fault("tile config: palette other than 1", -1);
+  if (c.palette == 0) return;  // tiles off, as after a release
+  if (c.palette != 1) fault("tile config: palette other than 1", -1);
   for (int t = 0; t < 8; ++t) {
-    uint16_t colsb;
-    std::memcpy(&colsb, p + 16 + 2 * t, 2);
-    const uint8_t rows = p[48 + t];
+    const uint16_t colsb = c.colsb[t];
+    const uint8_t rows = c.rows[t];
     if (rows > 16 || colsb > 64 || (rows == 0) != (colsb == 0))
       fault("tile config: a tile over 16 rows x 64 bytes, or half configured", t);
     s.rows[t] = rows;
