@@ -179,3 +179,15 @@ def test_fused_greedy_argmax_leaves_nan_and_inf_rows_to_aten():
                                 100)
     # The sampler falls back to widening and ATen's argmax, NaN semantics included.
     assert Sampler()(logits, md).sampled.tolist() == logits.float().argmax(dim=-1).tolist()
+
+
+def test_a_draw_at_the_top_of_the_unit_interval_never_lands_on_a_banned_token(monkeypatch):
+    """Where U x total rounds up to the row's total, the draw is the last token with a
+    non-empty interval, not the vocabulary's last token (banned here: probability 0)."""
+    from kiln.sampling import sampler
+
+    probs = torch.tensor([[0.2, 0.8, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0],
+                          [0.25, 0.25, 0.25, 0.25]])
+    monkeypatch.setattr(sampler.torch, "rand",
+                        lambda *shape, **kw: torch.ones(*shape, dtype=torch.float64))
+    assert sampler._draw(probs, {}).tolist() == [1, 1, 3]
